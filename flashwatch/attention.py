@@ -1,0 +1,36 @@
+"""`flashwatch.attention`: the public attention op, dispatching to a backend."""
+
+from __future__ import annotations
+
+import torch
+
+from flashwatch.kernels import reference
+from flashwatch.kernels.common import AttentionStats
+
+BACKENDS = ("auto", "reference", "triton")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+              scale: float | None = None, head_modes=None, beta: float = 2.0,
+              eps: float = 1e-3, stats: AttentionStats | None = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Attention like `F.scaled_dot_product_attention`, with per-head modes and counters.
+
+    q, k, v: [B, H, N, D], bfloat16, float16 or float32, one device.
+    causal: mask key j for query i when j > i (top-left aligned, like SDPA's is_causal).
+    scale: softmax scale, default 1/sqrt(D).
+    head_modes: None (all STANDARD), a sequence of `Mode` or an int tensor [H].
+    beta, eps: the β fix's multiplier (> 1) and tie tolerance (> 0, in scaled scores).
+    stats: an `AttentionStats` that this call accumulates its per-head counters into.
+    backend: "auto" (the reference today; Triton on CUDA once available), "reference",
+      or "triton".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "triton":
+        raise RuntimeError(
+            "backend='triton' is not available in this version of flashwatch (the Triton "
+            "kernels are not built yet); use backend='auto' or backend='reference'"
+        )
+    return reference.attention(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
+                               beta=beta, eps=eps, stats=stats)

@@ -1,0 +1,219 @@
+"""Types and input checks shared by every attention backend (reference and Triton).
+
+Only torch is imported here: `flashwatch.kernels` must stay usable without the rest of
+flashwatch (DESIGN.md §2).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ARITHMETICS = ("fused", "paper")
+
+# BETA underflow guard (DESIGN.md §4). The shift may exceed the row max r_m by at most
+# GUARD_NATS; exp(-60) = 8.8e-27 keeps P̄ at the max 12 orders of magnitude above the
+# FP32/BF16 normal minimum (1.2e-38 = exp(-87.3)). FP16 has a 5-bit exponent (smallest
+# normal 6.1e-5 = exp(-9.7)), so its guard is 4 nats. Guarded rows get a shift that still
+# depends on the row (GUARD/2 + fmod(excess, GUARD/2)), never one constant: a constant
+# makes P̄ at the max round the same way in every row and brings the bias back.
+GUARD_NATS = {torch.bfloat16: 60.0, torch.float32: 60.0, torch.float16: 4.0}
+# Rows whose β-excess is tiny (r_m near 0) would still round P̄ at the max to exactly 1
+# (any P̄ > 1 - 2^-9 does in BF16). They get MIN_EXCESS + excess instead, also
+# row-dependent; 0.5 nats puts P̄_max at 0.61 or below.
+MIN_EXCESS = 0.5
+
+
+class Mode(enum.IntEnum):
+    """Per-head attention mode. Values are stable: they are stored in checkpoints."""
+
+    STANDARD = 0  # FlashAttention-2 as usual
+    BETA = 1  # in rows with tied maxima subtract β·r_m (r_m > 0) or 0, so every P̄ < 1
+    FP32_O = 2  # keep O in FP32 for these heads and use it for δ in the backward
+
+
+@dataclass
+class AttentionStats:
+    """Per-head counters filled in place by `attention(..., stats=...)`.
+
+    Calls accumulate: counts add up and `max_logit` keeps the maximum, so one object can
+    span the micro-batches of an optimizer step. `reset()` zeroes it.
+
+    tied_rows[h]    rows whose max r_m has ≥ 2 scaled scores s ≥ r_m - eps (int64)
+    rows[h]         rows seen (batch × query length) (int64)
+    guarded_rows[h] BETA rows whose shift hit the underflow guard (int64)
+    max_logit[h]    largest scaled score seen, -inf before any call (float32)
+    """
+
+    tied_rows: torch.Tensor
+    rows: torch.Tensor
+    guarded_rows: torch.Tensor
+    max_logit: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_heads: int, device: torch.device | str | None = None) -> AttentionStats:
+        if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        counts = [torch.zeros(num_heads, dtype=torch.int64, device=device) for _ in range(3)]
+        max_logit = torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device)
+        return cls(*counts, max_logit)
+
+    @property
+    def num_heads(self) -> int:
+        return self.rows.numel()
+
+    def reset(self) -> None:
+        self.tied_rows.zero_()
+        self.rows.zero_()
+        self.guarded_rows.zero_()
+        self.max_logit.fill_(-math.inf)
+
+    def tie_ratio(self) -> torch.Tensor:
+        """tied_rows / rows per head (0 where no rows were seen)."""
+        return self.tied_rows.double() / self.rows.clamp(min=1).double()
+
+    def add_(self, tied: torch.Tensor, rows: int, guarded: torch.Tensor, max_logit: torch.Tensor):
+        """Accumulate one call's per-head results (tensors of shape [H])."""
+        dev = self.rows.device
+        self.tied_rows += tied.to(dev, torch.int64)
+        self.rows += rows
+        self.guarded_rows += guarded.to(dev, torch.int64)
+        self.max_logit.copy_(torch.fmax(self.max_logit, max_logit.to(dev, torch.float32)))
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _check_number(name: str, value, *, greater_than: float, hint: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r}); {hint}")
+    value = float(value)
+    if not math.isfinite(value) or value <= greater_than:
+        raise ValueError(f"{name} must be a finite number > {greater_than:g}, got {value!r}; {hint}")
+    return value
+
+
+def normalize_head_modes(head_modes, num_heads: int) -> torch.Tensor:
+    """Return head_modes as an int32 CPU tensor [H] with values in Mode, or raise."""
+    if head_modes is None:
+        return torch.zeros(num_heads, dtype=torch.int32)
+    if isinstance(head_modes, torch.Tensor):
+        if head_modes.dtype.is_floating_point or head_modes.dtype.is_complex or (
+            head_modes.dtype == torch.bool
+        ):
+            raise TypeError(
+                f"head_modes must be an integer tensor of flashwatch.Mode values, got dtype "
+                f"{head_modes.dtype}; build it with torch.tensor([...], dtype=torch.int32)"
+            )
+        modes = head_modes.detach().to("cpu", torch.int64).reshape(-1)
+        if head_modes.dim() != 1:
+            raise ValueError(
+                f"head_modes must be 1-D with one entry per head, got shape {_shape(head_modes)}"
+            )
+    elif isinstance(head_modes, Sequence) and not isinstance(head_modes, (str, bytes)):
+        for m in head_modes:
+            if isinstance(m, bool) or not isinstance(m, int):
+                raise TypeError(
+                    f"head_modes entries must be flashwatch.Mode values, got {m!r} "
+                    f"({type(m).__name__})"
+                )
+        modes = torch.tensor([int(m) for m in head_modes], dtype=torch.int64)
+    else:
+        raise TypeError(
+            f"head_modes must be None, a sequence of flashwatch.Mode or an int tensor [H], "
+            f"got {type(head_modes).__name__}"
+        )
+    if modes.numel() != num_heads:
+        raise ValueError(
+            f"head_modes has {modes.numel()} entries but q has {num_heads} heads; pass one "
+            f"flashwatch.Mode per head"
+        )
+    valid = {int(m) for m in Mode}
+    bad = [int(m) for m in modes.tolist() if int(m) not in valid]
+    if bad:
+        raise ValueError(
+            f"head_modes contains {bad[0]}, which is not a flashwatch.Mode; use "
+            f"{', '.join(f'{m.name}={m.value}' for m in Mode)}"
+        )
+    return modes.to(torch.int32)
+
+
+def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats):
+    """Validate a call to any attention backend.
+
+    Returns (scale, head_modes) normalized: scale as float, head_modes as an int32 CPU
+    tensor [H]. Raises TypeError/ValueError naming the argument, the value and the fix.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have shape [B, H, N, D] like scaled_dot_product_attention, got "
+                f"shape {_shape(t)}; add missing batch/head dims with {name}.unsqueeze(...)"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; supported are bfloat16, float16 and float32 "
+                f"(cast with {name}.to(torch.bfloat16))"
+            )
+        if t.shape[2] < 1 or t.shape[3] < 1:
+            raise ValueError(f"{name} has an empty sequence or head dimension: {_shape(t)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to "
+            f"the same dtype"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}; move them "
+            f"with .to(q.device)"
+        )
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(
+            f"q, k, v batch sizes differ: {_shape(q)}, {_shape(k)}, {_shape(v)}"
+        )
+    if not (q.shape[1] == k.shape[1] == v.shape[1]):
+        raise ValueError(
+            f"q, k, v head counts differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}; for "
+            f"grouped-query attention repeat k and v per head first "
+            f"(k.repeat_interleave(q.shape[1] // k.shape[1], dim=1))"
+        )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"k and v must have the same sequence length, got k {_shape(k)} and v {_shape(v)}"
+        )
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(
+            f"q, k, v must share the head dimension D, got {_shape(q)}, {_shape(k)}, "
+            f"{_shape(v)}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    else:
+        scale = _check_number("scale", scale, greater_than=0.0,
+                              hint="pass None for 1/sqrt(D)")
+    _check_number("beta", beta, greater_than=1.0,
+                  hint="the paper uses 2 to 8; beta <= 1 would let P̄ reach 1 again")
+    _check_number("eps", eps, greater_than=0.0,
+                  hint="it is the tie tolerance in scaled-score units (default 1e-3)")
+    if stats is not None:
+        if not isinstance(stats, AttentionStats):
+            raise TypeError(
+                f"stats must be a flashwatch.AttentionStats or None, got {type(stats).__name__}; "
+                f"create one with AttentionStats.zeros(num_heads)"
+            )
+        if stats.num_heads != q.shape[1]:
+            raise ValueError(
+                f"stats holds {stats.num_heads} heads but q has {q.shape[1]}; create it with "
+                f"AttentionStats.zeros({q.shape[1]})"
+            )
+    return scale, normalize_head_modes(head_modes, q.shape[1])

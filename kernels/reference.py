@@ -1,0 +1,331 @@
+"""Reference attention in pure PyTorch: the CPU backend and the oracle for every test.
+
+Semantics (DESIGN.md §4), `arithmetic="fused"` (what a FlashAttention-2 kernel does):
+  S = scale·QKᵀ in FP32, keys in blocks of BLOCK_N, online row max and row sum in FP32,
+  P̄ = exp(S - shift) cast to the input dtype before P̄V, FP32 accumulator, O = acc/l
+  stored in the input dtype, LSE saved. Backward recomputes P from LSE and uses
+  δ = rowsum(dO ∘ O) in FP32; P and dS are cast to the input dtype before their
+  matmuls, as a fused backward kernel does.
+
+`arithmetic="paper"` is the arithmetic of the paper's public implementation (a PyTorch
+FlashAttention-2 with 512-key blocks): scores, P̄, every block product P̄V, the running
+sum l and the accumulator are all held in the input dtype (BF16), and BETA's tie check
+looks at each block alone. Research only: it is slower and less accurate on purpose.
+
+Per-head modes (kernels.common.Mode):
+  STANDARD  shift = running row max.
+  BETA      in rows whose max r_m has ≥ 2 scores within eps (checked over the whole row,
+            online and exactly: see `_update_ties`), shift = r_m + excess with
+            excess = (β-1)·r_m for r_m > 0 and -r_m otherwise, bounded by the guard in
+            `beta_shift`. When a tie or a new max appears mid-row the shift changes and
+            acc and l are rescaled, as online softmax does for a new max.
+  FP32_O    O = acc/l is also kept in FP32 for these heads and δ uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .common import ARITHMETICS, GUARD_NATS, MIN_EXCESS, AttentionStats, Mode, check_inputs
+
+BLOCK_N = 128  # keys per block in the fused arithmetic (a typical Triton BLOCK_N)
+PAPER_BLOCK_N = 512  # keys per block in the paper's implementation
+# Queries per chunk. Chunking only bounds memory (a [B, H, BLOCK_M, BLOCK_N] FP32 score
+# tile); each query row is computed independently, so results do not depend on it.
+BLOCK_M = 1024
+
+
+class ForwardResult(NamedTuple):
+    o: torch.Tensor  # [B, H, Nq, D] input dtype
+    lse: torch.Tensor  # [B, H, Nq] fp32, log-sum-exp of the scaled scores
+    o32: torch.Tensor | None  # [B, H32, Nq, D] fp32 for the FP32_O heads, else None
+    tied_rows: torch.Tensor  # [H] int64
+    guarded_rows: torch.Tensor  # [H] int64
+    max_logit: torch.Tensor  # [H] fp32
+    rows: int  # rows per head: B·Nq
+    pbar_max: torch.Tensor | None  # debug: [B, H, Nq] largest P̄ weight applied to V
+    o_unnormalized: torch.Tensor | None  # debug: [B, H, Nq, D] acc before dividing by l
+
+
+def beta_excess(m: torch.Tensor, beta: float, guard: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far BETA's shift lies above the row max m, and whether the guard applied.
+
+    Paper rule: shift = β·m for m > 0, 0 for m ≤ 0, i.e. excess = (β-1)·m or -m.
+    Guard: an excess above `guard` nats would push P̄ towards FP32 underflow (logits in
+    the thousands do this); it becomes guard/2 + (excess mod guard/2), which still varies
+    from row to row. An excess below MIN_EXCESS (m near 0) would leave P̄ at the max
+    rounding to 1; it becomes MIN_EXCESS + excess.
+    """
+    excess = torch.where(m > 0, (beta - 1.0) * m, -m)
+    guarded = excess > guard
+    half = guard / 2
+    wrapped = half + (excess - torch.floor(excess / half) * half)
+    excess = torch.where(guarded, wrapped, excess)
+    excess = torch.where(excess < MIN_EXCESS, MIN_EXCESS + excess, excess)
+    return excess, guarded
+
+
+def _update_ties(m_old, cnt_old, s, m_new, eps):
+    """Exact online count (saturating at 2) of scores ≥ rowmax - eps.
+
+    With thr = m_new - eps (FP32): if the max did not move, old count + block count; if
+    it moved but the old max is still ≥ thr, the old max and the new one are both within
+    eps, so the row is tied (≥ 2); otherwise no old score can reach thr and the count is
+    the block's. Equal to a brute-force count over the whole row (tests check this).
+    Masked keys (-inf) never count.
+    """
+    thr = (m_new - eps).unsqueeze(-1)
+    blk = ((s >= thr) & (s != -math.inf)).sum(-1)
+    old = torch.where(m_new == m_old, cnt_old, (m_old >= thr.squeeze(-1)).long())
+    return (old + blk).clamp_(max=2)
+
+
+def _causal_mask(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
+    # Top-left alignment, like scaled_dot_product_attention(is_causal=True): key j is
+    # visible to query i iff j <= i.
+    rows = torch.arange(q0, q1, device=device).unsqueeze(1)
+    cols = torch.arange(k0, k1, device=device).unsqueeze(0)
+    return cols > rows
+
+
+def _head_mask(modes: torch.Tensor, mode: Mode, device) -> torch.Tensor:
+    return (modes == int(mode)).to(device).view(1, -1, 1)
+
+
+def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                   block_n=BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dt, dev = q.dtype, q.device
+    beta_h = _head_mask(modes, Mode.BETA, dev)
+    any_beta = bool((modes == int(Mode.BETA)).any())
+    track = want_ties or any_beta
+    guard = GUARD_NATS[dt]
+    fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
+    o32 = torch.empty(B, len(fp32_idx), Nq, D, dtype=torch.float32, device=dev) if fp32_idx else None
+    tied_rows = torch.zeros(H, dtype=torch.int64, device=dev)
+    guarded_rows = torch.zeros(H, dtype=torch.int64, device=dev)
+    max_logit = torch.full((H,), -math.inf, dtype=torch.float32, device=dev)
+    pbar_max = torch.empty(B, H, Nq, dtype=torch.float32, device=dev) if debug else None
+    o_unnorm = torch.empty(B, H, Nq, D, dtype=torch.float32, device=dev) if debug else None
+
+    for q0 in range(0, Nq, block_m):
+        q1 = min(q0 + block_m, Nq)
+        qc = q[:, :, q0:q1].float()
+        shape = (B, H, q1 - q0)
+        m = torch.full(shape, -math.inf, device=dev)
+        shift = torch.full(shape, -math.inf, device=dev)
+        cnt = torch.zeros(shape, dtype=torch.int64, device=dev)
+        l = torch.zeros(shape, device=dev)
+        acc = torch.zeros(*shape, D, device=dev)
+        pmax = torch.zeros(shape, device=dev) if debug else None
+        k_end = min(Nk, q1) if causal else Nk  # later keys are masked for every row here
+        for k0 in range(0, k_end, block_n):
+            k1 = min(k0 + block_n, k_end)
+            s = torch.matmul(qc, k[:, :, k0:k1].float().transpose(-1, -2)).mul_(scale)
+            if causal and k1 - 1 > q0:
+                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            if track:
+                cnt = _update_ties(m, cnt, s, m_new, eps)
+            shift_new = m_new
+            if any_beta:
+                excess, _ = beta_excess(m_new, beta, guard)
+                shift_new = torch.where(beta_h & (cnt >= 2), m_new + excess, m_new)
+            # A row that has seen only masked keys keeps shift -inf; use 0 there so that
+            # exp(-inf - 0) = 0 instead of NaN. alpha rescales what was summed so far.
+            safe = torch.where(shift_new == -math.inf, 0.0, shift_new)
+            alpha = torch.exp(shift - safe)
+            p = torch.exp(s.sub_(safe.unsqueeze(-1)))
+            p_lo = p.to(dt).float() if dt != torch.float32 else p
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_lo, v[:, :, k0:k1].float())
+            if debug:
+                pmax = torch.maximum(pmax * alpha, p_lo.amax(-1))
+            m, shift = m_new, shift_new
+        oc = acc / l.unsqueeze(-1)
+        o[:, :, q0:q1] = oc.to(dt)
+        lse[:, :, q0:q1] = shift + torch.log(l)
+        if fp32_idx:
+            o32[:, :, q0:q1] = oc[:, fp32_idx]
+        if debug:
+            pbar_max[:, :, q0:q1] = pmax
+            o_unnorm[:, :, q0:q1] = acc
+        if track:
+            tied = cnt >= 2
+            tied_rows += tied.sum((0, 2))
+            if any_beta:
+                _, guarded = beta_excess(m, beta, guard)
+                guarded_rows += (guarded & tied & beta_h).sum((0, 2))
+        max_logit = torch.maximum(max_logit, m.amax((0, 2)))
+    return ForwardResult(o, lse, o32, tied_rows, guarded_rows, max_logit, B * Nq,
+                         pbar_max, o_unnorm)
+
+
+def _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                   block_n=PAPER_BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
+    """The paper implementation's arithmetic: everything held in the input dtype."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dt, dev = q.dtype, q.device
+    beta_h = _head_mask(modes, Mode.BETA, dev)
+    any_beta = bool((modes == int(Mode.BETA)).any())
+
+    o = torch.empty_like(q)
+    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
+    tied_rows = torch.zeros(H, dtype=torch.int64, device=dev)
+    max_logit = torch.full((H,), -math.inf, dtype=torch.float32, device=dev)
+    pbar_max = torch.empty(B, H, Nq, dtype=torch.float32, device=dev) if debug else None
+    o_unnorm = torch.empty(B, H, Nq, D, dtype=dt, device=dev) if debug else None
+
+    for q0 in range(0, Nq, block_m):
+        q1 = min(q0 + block_m, Nq)
+        qc = q[:, :, q0:q1]
+        shape = (B, H, q1 - q0)
+        m = torch.full(shape, -math.inf, dtype=dt, device=dev)
+        shift = torch.full(shape, -math.inf, dtype=dt, device=dev)
+        cnt = torch.zeros(shape, dtype=torch.int64, device=dev)
+        l = torch.zeros(shape, dtype=dt, device=dev)
+        acc = torch.zeros(*shape, D, dtype=dt, device=dev)
+        pmax = torch.zeros(shape, device=dev) if debug else None
+        k_end = min(Nk, q1) if causal else Nk
+        for k0 in range(0, k_end, block_n):
+            k1 = min(k0 + block_n, k_end)
+            s = torch.matmul(qc, k[:, :, k0:k1].transpose(-1, -2)) * scale  # rounded twice
+            if causal and k1 - 1 > q0:
+                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
+            m_new = torch.maximum(m, s.amax(-1))
+            s32, m32 = s.float(), m_new.float()
+            cnt = _update_ties(m.float(), cnt, s32, m32, eps)  # row-wide, for the counters
+            shift_new = m_new
+            if any_beta:
+                # The paper's check: the max occurs ≥ 2 times within eps in this block.
+                thr = (m32 - eps).unsqueeze(-1)
+                blk_tied = ((s32 >= thr) & (s32 != -math.inf)).sum(-1) >= 2
+                target = torch.where(m_new > 0, m_new * beta, torch.zeros_like(m_new))
+                shift_new = torch.where(beta_h & blk_tied, target, m_new)
+            safe = torch.where(shift_new == -math.inf, torch.zeros_like(shift_new), shift_new)
+            alpha = torch.exp(shift - safe)
+            p = torch.exp(s - safe.unsqueeze(-1))
+            l = l * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v[:, :, k0:k1])
+            if debug:
+                pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1))
+            m, shift = m_new, shift_new
+        o[:, :, q0:q1] = acc / l.unsqueeze(-1)
+        lse[:, :, q0:q1] = shift.float() + torch.log(l.float())
+        if debug:
+            pbar_max[:, :, q0:q1] = pmax
+            o_unnorm[:, :, q0:q1] = acc
+        tied_rows += (cnt >= 2).sum((0, 2))
+        max_logit = torch.maximum(max_logit, m.float().amax((0, 2)))
+
+    # FP32_O heads: the paper's diagnosis computes O for these heads in FP32; their O is
+    # that result rounded once, and δ uses the FP32 copy.
+    o32 = None
+    fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+    if fp32_idx:
+        std = torch.zeros(len(fp32_idx), dtype=torch.int32)
+        hp = _forward_fused(q[:, fp32_idx].float(), k[:, fp32_idx].float(),
+                            v[:, fp32_idx].float(), causal, scale, std, beta, eps, False, False)
+        o32 = hp.o
+        o[:, fp32_idx] = o32.to(dt)
+        lse[:, fp32_idx] = hp.lse
+    guarded_rows = torch.zeros(H, dtype=torch.int64, device=dev)  # the paper has no guard
+    return ForwardResult(o, lse, o32, tied_rows, guarded_rows, max_logit, B * Nq,
+                         pbar_max, o_unnorm)
+
+
+def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
+            want_ties=True, debug=False, block_n=None) -> ForwardResult:
+    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
+    if arithmetic == "fused":
+        return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                              block_n=block_n or BLOCK_N)
+    return _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                          block_n=block_n or PAPER_BLOCK_N)
+
+
+def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, block_n=BLOCK_N,
+             block_m=BLOCK_M):
+    """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used."""
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    dt, dev = q.dtype, q.device
+    do32 = do.float()
+    delta = (do32 * o.float()).sum(-1)
+    fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+    if fp32_idx:
+        delta[:, fp32_idx] = (do32[:, fp32_idx] * o32).sum(-1)
+
+    def lo(x):  # round to the input dtype, as a kernel does before a tensor-core matmul
+        return x.to(dt).float() if dt != torch.float32 else x
+
+    k32, v32 = k.float(), v.float()
+    dq = torch.zeros(B, H, Nq, D, device=dev)
+    dk = torch.zeros(B, H, Nk, D, device=dev)
+    dv = torch.zeros(B, H, Nk, D, device=dev)
+    for q0 in range(0, Nq, block_m):
+        q1 = min(q0 + block_m, Nq)
+        qc, doc = q[:, :, q0:q1].float(), do32[:, :, q0:q1]
+        lse_c = lse[:, :, q0:q1].unsqueeze(-1)
+        delta_c = delta[:, :, q0:q1].unsqueeze(-1)
+        k_end = min(Nk, q1) if causal else Nk
+        for k0 in range(0, k_end, block_n):
+            k1 = min(k0 + block_n, k_end)
+            kb, vb = k32[:, :, k0:k1], v32[:, :, k0:k1]
+            s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
+            if causal and k1 - 1 > q0:
+                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
+            p = torch.exp(s.sub_(lse_c))
+            dv[:, :, k0:k1] += torch.matmul(lo(p).transpose(-1, -2), doc)
+            dp = torch.matmul(doc, vb.transpose(-1, -2))
+            ds = lo(p.mul_(dp.sub_(delta_c)))
+            dq[:, :, q0:q1] += torch.matmul(ds, kb).mul_(scale)
+            dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
+    return dq.to(dt), dk.to(dt), dv.to(dt), delta
+
+
+class ReferenceAttention(torch.autograd.Function):
+    """autograd.Function over `forward`/`backward`; inputs already validated."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, modes, beta, eps, arithmetic, stats):
+        res = forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
+                      arithmetic=arithmetic, want_ties=stats is not None)
+        if stats is not None:
+            stats.add_(res.tied_rows, res.rows, res.guarded_rows, res.max_logit)
+        ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
+        ctx.causal, ctx.scale, ctx.modes = causal, scale, modes
+        ctx.block_n = BLOCK_N if arithmetic == "fused" else PAPER_BLOCK_N
+        return res.o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, o32 = ctx.saved_tensors
+        dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
+                                 modes=ctx.modes, block_n=ctx.block_n)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def attention(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0, eps=1e-3,
+              stats: AttentionStats | None = None, arithmetic: str = "fused") -> torch.Tensor:
+    """softmax(scale·QKᵀ)V with per-head modes and counters, in pure PyTorch.
+
+    q, k, v: [B, H, N, D] (bf16, fp16 or fp32, one dtype and device). causal masks key j
+    for query i when j > i (top-left, like SDPA). head_modes: [H] of Mode (None: all
+    STANDARD). stats: an AttentionStats to accumulate into. arithmetic: "fused" (a
+    FlashAttention-2 kernel's arithmetic) or "paper" (the paper's BF16 implementation).
+    """
+    scale, modes = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
+                                beta=beta, eps=eps, stats=stats)
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic must be one of {ARITHMETICS}, got {arithmetic!r}")
+    return ReferenceAttention.apply(q, k, v, causal, scale, modes, float(beta), float(eps),
+                                    arithmetic, stats)
