@@ -120,7 +120,9 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
-    o32 = torch.empty(B, len(fp32_idx), Nq, D, dtype=torch.float32, device=dev) if fp32_idx else None
+    o32 = None
+    if fp32_idx:
+        o32 = torch.empty(B, len(fp32_idx), Nq, D, dtype=torch.float32, device=dev)
     tied_rows = torch.zeros(H, dtype=torch.int64, device=dev)
     guarded_rows = torch.zeros(H, dtype=torch.int64, device=dev)
     max_logit = torch.full((H,), -math.inf, dtype=torch.float32, device=dev)

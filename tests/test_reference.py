@@ -6,6 +6,9 @@ import math
 
 import pytest
 import torch
+
+from flashwatch.kernels import reference as R
+from flashwatch.kernels.common import GUARD_NATS, AttentionStats, Mode
 from oracle import (
     assert_within_rule,
     brute_counts,
@@ -16,9 +19,6 @@ from oracle import (
     max_err,
     tie_heavy,
 )
-
-from flashwatch.kernels import reference as R
-from flashwatch.kernels.common import GUARD_NATS, AttentionStats, Mode
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 ALL_MODES = [Mode.STANDARD, Mode.BETA, Mode.FP32_O]  # one head each: every mode per call
