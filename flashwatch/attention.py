@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from flashwatch.kernels import reference
 from flashwatch.kernels.common import AttentionStats
 
 BACKENDS = ("auto", "reference", "triton")
+
+# Set by a Watcher while one of its attention modules runs, so that calls to
+# flashwatch.attention inside it are attributed to that layer (and get its head modes).
+_INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("flashwatch_intercept",
+                                                            default=None)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -24,7 +31,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     stats: an `AttentionStats` that this call accumulates its per-head counters into.
     backend: "auto" (the reference today; Triton on CUDA once available), "reference",
       or "triton".
+
+    Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
+    stronger of the two per head) and measures the call.
     """
+    intercept = _INTERCEPT.get()
+    if intercept is not None:
+        return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
+                         beta=beta, eps=eps, stats=stats, backend=backend)
+    return _dispatch(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
+                     eps=eps, stats=stats, backend=backend)
+
+
+def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "triton":
