@@ -1,26 +1,19 @@
 """flashwatch: watch attention numerics while a transformer trains in BF16.
 
 Public API (names fixed by DESIGN.md §3): `attention`, `Mode`, `AttentionStats`,
-`watch`, `Watcher`, `WatchConfig`, `StepReport`.
+`watch`, `Watcher`, `WatchConfig`, `StepReport` (with `HeadRecord`, `Event`), and the
+sinks in `flashwatch.sinks`.
 """
 
-from flashwatch.attention import attention
 from flashwatch.config import WatchConfig
+from flashwatch.dispatch import attention
 from flashwatch.kernels.common import AttentionStats, Mode
 from flashwatch.report import Event, HeadRecord, StepReport
+from flashwatch.sites import AttentionSite, find_sites, make_site
+from flashwatch.watcher import Watcher, watch
 
 __version__ = "0.1.0"
 
-
-def __getattr__(name):
-    # watch/Watcher import the signal, policy and discovery modules: load them on first use
-    # so that `import flashwatch` for the attention op alone stays light.
-    if name in ("watch", "Watcher"):
-        from flashwatch import watcher
-
-        return getattr(watcher, name)
-    raise AttributeError(f"module 'flashwatch' has no attribute {name!r}")
-
-
-__all__ = ["AttentionStats", "Event", "HeadRecord", "Mode", "StepReport", "WatchConfig",
-           "Watcher", "attention", "watch", "__version__"]
+__all__ = ["AttentionSite", "AttentionStats", "Event", "HeadRecord", "Mode", "StepReport",
+           "WatchConfig", "Watcher", "attention", "find_sites", "make_site", "watch",
+           "__version__"]

@@ -1,4 +1,4 @@
-"""flashwatch/attention.py: the public op and its backend dispatch."""
+"""flashwatch/dispatch.py: the public op `flashwatch.attention` and its backend dispatch."""
 
 from __future__ import annotations
 

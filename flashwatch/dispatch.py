@@ -1,4 +1,4 @@
-"""`flashwatch.attention`: the public attention op, dispatching to a backend."""
+"""`flashwatch.attention` (defined here): the public attention op and its backend dispatch."""
 
 from __future__ import annotations
 

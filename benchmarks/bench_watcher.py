@@ -1,0 +1,109 @@
+"""Watcher overhead on a tiny GPT training on CPU, and the watcher's state size.
+
+Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-steps 10000]
+
+1. Training step time, watched at the default cadence (WatchConfig(): every 10th step
+   monitored) vs not watched: two identical models trained in alternation, step by step,
+   so machine noise hits both; median of the per-step times of each.
+2. Within the watched run: median monitored step vs median unmonitored step.
+3. torch.save size of watcher.state_dict() after 100 and after --state-steps monitored
+   steps (every_n_steps=1) of a one-layer model: it must not grow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import flashwatch as fw  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def train_step(model, opt, x, y) -> float:
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def overhead(steps: int) -> None:
+    cfg = GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    watched = copy.deepcopy(plain)
+    w = fw.watch(watched)  # defaults: every_n_steps=10, rows_per_head=64
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, watched)]
+    g = torch.Generator().manual_seed(0)
+    t_plain, t_mon, t_unmon = [], [], []
+    for step in range(steps + 5):
+        idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
+        x, y = idx[:, :-1], idx[:, 1:]
+        a = train_step(plain, opts[0], x, y)
+        monitored = step % w.config.every_n_steps == 0
+        t0 = time.perf_counter()
+        b = train_step(watched, opts[1], x, y)
+        w.step()
+        b = time.perf_counter() - t0
+        if step >= 5:  # warm-up
+            t_plain.append(a)
+            (t_mon if monitored else t_unmon).append(b)
+    t_watched = t_mon + t_unmon
+    med = statistics.median
+    print(f"GPT {cfg.n_layer}L {cfg.n_head}H d={cfg.n_embd} T={cfg.block_size} B=8, bf16 "
+          f"autocast, {torch.get_num_threads()} threads, {steps} steps each")
+    print("| measure | value |")
+    print("|---|---|")
+    print(f"| median step, not watched | {1e3 * med(t_plain):.1f} ms |")
+    print(f"| median step, watched (default cadence) | {1e3 * med(t_watched):.1f} ms |")
+    print(f"| mean step ratio watched / not watched | "
+          f"{statistics.mean(t_watched) / statistics.mean(t_plain):.3f} |")
+    print(f"| median step ratio watched / not watched | {med(t_watched) / med(t_plain):.3f} |")
+    print(f"| median monitored step / median unmonitored step | "
+          f"{med(t_mon) / med(t_unmon):.3f} |")
+    w.remove()
+
+
+def state_size(n_steps: int) -> None:
+    cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    w = fw.watch(model, every_n_steps=1, window=64)
+    g = torch.Generator().manual_seed(0)
+    sizes = {}
+    for step in range(1, n_steps + 1):
+        idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1), generator=g)
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+        model.zero_grad(set_to_none=True)
+        w.step()
+        if step in (100, n_steps):
+            buf = io.BytesIO()
+            torch.save(w.state_dict(), buf)
+            sizes[step] = buf.tell()
+    print(f"| state_dict bytes after 100 monitored steps | {sizes[100]} |")
+    print(f"| state_dict bytes after {n_steps} monitored steps | {sizes[n_steps]} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--state-steps", type=int, default=10_000)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    overhead(args.steps)
+    state_size(args.state_steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""Mitigation policy (DESIGN.md §6): per head, STANDARD → BETA → FP32_O, never down.
+
+A head is *flagged* on a monitored step when
+    its window holds ≥ min_history steps, and
+    tie_ratio ≥ tie_ratio_threshold, and
+    ( drift:    delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold
+      or growth: spectral_growth ≥ spectral_growth_threshold and
+                 spectral_growth ≥ spectral_growth_factor × median spectral_growth ).
+The median is over the finite spectral_growth of all heads given to the policy (the
+lower middle value for an even count), so growth shared by most heads (warmup, a
+learning-rate change) flags nobody. NaN in any input makes its comparison False, so
+NaN never flags.
+
+State machine per head (the same in "advise" and "auto"):
+  STANDARD  after `patience` consecutive flagged steps → BETA.
+  BETA      counts monitored steps since the switch; once ≥ verify_steps, `patience`
+            consecutive steps whose drift persists (z and coherence over threshold, ties
+            not required: BETA does not remove ties, it removes their bias) → FP32_O.
+            If the drift decayed, the head stays in BETA (and may still escalate later
+            if the drift comes back).
+  FP32_O    final.
+Modes only go up, so there is no flapping.
+
+mitigation "off": flags are still reported; recommended = applied modes; no events.
+"advise": the state machine runs on a recommended mode per head (never below the
+applied one); events have applied=False; applied modes are returned unchanged and no
+window is reset (nothing changed in training, so the window keeps describing the same
+regime, and a drift that persists leads to an FP32_O recommendation after verify_steps).
+"auto": the state machine runs on the applied modes passed in; a change is applied from
+the next step, its event has applied=True and `reset_window` asks the signals to empty
+that head's window, so verification sees post-switch steps only.
+A mode changed outside the policy (a user's choice, advice followed by hand) restarts
+that head's patience and verification counters.
+
+All inputs are the rank-reduced numbers, so every rank reaches the same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import Mode
+from flashwatch.report import Event
+from flashwatch.signals import SignalValues
+
+STANDARD, BETA, FP32_O = int(Mode.STANDARD), int(Mode.BETA), int(Mode.FP32_O)
+
+
+@dataclass
+class Decision:
+    modes: torch.Tensor  # int64 [n]: applied modes from the next step
+    recommended: torch.Tensor  # int64 [n]: the state machine's mode (= modes in "auto")
+    flagged: torch.Tensor  # bool [n]
+    events: list[Event]
+    reset_window: torch.Tensor  # bool [n]: empty these heads' signal windows now
+
+
+def _g(x) -> str:
+    """Numbers in reasons: 3 significant digits, readable in logs."""
+    return f"{float(x):.3g}"
+
+
+class Policy:
+    """Decides per-head modes from `SignalValues` and tie ratios, one monitored step at a time."""
+
+    def __init__(self, config: WatchConfig, heads: list[tuple[str, int]]) -> None:
+        if not isinstance(config, WatchConfig):
+            raise TypeError(f"config must be a flashwatch.WatchConfig, got "
+                            f"{type(config).__name__}")
+        if not isinstance(heads, (list, tuple)) or not heads or not all(
+            isinstance(h, tuple) and len(h) == 2 and isinstance(h[0], str)
+            and isinstance(h[1], int) for h in heads
+        ):
+            raise TypeError("heads must be a non-empty list of (layer name, head index) tuples, "
+                            "e.g. [('transformer.h.0.attn', 0), ...]")
+        if config.min_history > config.window:
+            raise ValueError(
+                f"min_history={config.min_history} exceeds window={config.window}: the window "
+                f"never holds that many steps, so no decision could ever be made; lower "
+                f"min_history or raise window"
+            )
+        self.config = config
+        self.heads = list(heads)
+        n = len(self.heads)
+        self.recommended = torch.zeros(n, dtype=torch.int64)  # state-machine mode per head
+        self.streak = torch.zeros(n, dtype=torch.int64)  # consecutive qualifying steps
+        self.since_switch = torch.zeros(n, dtype=torch.int64)  # monitored steps in this mode
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    def decide(self, step: int, tie_ratio: torch.Tensor, values: SignalValues,
+               modes: torch.Tensor) -> Decision:
+        cfg, n = self.config, self.n_heads
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be the int optimizer step, got {step!r}")
+        tie = self._vec("tie_ratio", tie_ratio)
+        z = self._vec("values.delta_drift_z", values.delta_drift_z)
+        coh = self._vec("values.delta_coherence", values.delta_coherence)
+        growth = self._vec("values.spectral_growth", values.spectral_growth)
+        fill = self._vec("values.window_fill", values.window_fill)
+        if not isinstance(modes, torch.Tensor) or tuple(modes.shape) != (n,) or (
+                modes.dtype.is_floating_point or modes.dtype == torch.bool):
+            raise TypeError(f"modes must be an int tensor [{n}] of flashwatch.Mode values, got "
+                            f"{getattr(modes, 'dtype', type(modes).__name__)} "
+                            f"{list(getattr(modes, 'shape', []))}")
+        applied = modes.detach().to("cpu", torch.int64)
+        if ((applied < STANDARD) | (applied > FP32_O)).any():
+            raise ValueError(f"modes must hold flashwatch.Mode values 0..2, got {applied.tolist()}")
+
+        # Comparisons with NaN are False, so NaN inputs never flag.
+        ready = fill >= cfg.min_history
+        ties = tie >= cfg.tie_ratio_threshold
+        drift = (z >= cfg.drift_z_threshold) & (coh >= cfg.coherence_threshold)
+        finite_growth = growth[torch.isfinite(growth)]
+        median = finite_growth.median().item() if finite_growth.numel() else math.nan
+        spectral = (growth >= cfg.spectral_growth_threshold) & (
+            growth >= cfg.spectral_growth_factor * median)
+        flagged = ready & ties & (drift | spectral)
+
+        events: list[Event] = []
+        reset = torch.zeros(n, dtype=torch.bool)
+        if cfg.mitigation == "off":
+            return Decision(applied.clone(), applied.clone(), flagged, events, reset)
+
+        auto = cfg.mitigation == "auto"
+        # In "auto" the applied modes are the truth; in "advise" the recommendation never
+        # sits below what is applied. A mode changed outside the policy (a user's choice,
+        # advice followed by hand) restarts that head's counters.
+        base = applied if auto else torch.maximum(self.recommended, applied)
+        external = base != self.recommended
+        self.streak[external] = 0
+        self.since_switch[external] = 0
+        self.recommended = base.clone()
+        cur = self.recommended
+        self.since_switch += 1  # this step is one more monitored step in the current mode
+
+        # What moves a head up from its current mode this step.
+        qualifies = torch.where(cur == STANDARD, flagged, torch.zeros_like(flagged))
+        in_beta = cur == BETA
+        if not auto:  # advice escalates only once BETA was really applied (by the user)
+            in_beta &= applied == BETA
+        verify = in_beta & ready & drift
+        qualifies = torch.where(in_beta, verify, qualifies)
+        self.streak = torch.where(qualifies, self.streak + 1, torch.zeros_like(self.streak))
+        go = self.streak >= cfg.patience
+        go &= ~in_beta | (self.since_switch >= cfg.verify_steps)
+        go &= cur != FP32_O
+
+        for i in go.nonzero().flatten().tolist():
+            frm = Mode(int(cur[i]))
+            to = Mode(frm + 1)
+            layer, head = self.heads[i]
+            events.append(Event(step=step, layer=layer, head=head, from_mode=frm, to_mode=to,
+                                reason=self._reason(i, frm, tie, z, coh, growth, median,
+                                                    drift, spectral),
+                                applied=auto))
+        new = torch.where(go, cur + 1, cur)
+        self.recommended = new.clone()
+        self.streak[go] = 0
+        self.since_switch[go] = 0
+        if auto:
+            return Decision(new.clone(), new.clone(), flagged, events, go.clone())
+        return Decision(applied.clone(), new.clone(), flagged, events, reset)
+
+    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral) -> str:
+        cfg = self.config
+        drift_text = (f"drift z {_g(z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "
+                      f"{_g(coh[i])} ≥ {_g(cfg.coherence_threshold)}")
+        for_steps = f"for {cfg.patience} monitored step{'s' * (cfg.patience != 1)}"
+        if frm == Mode.BETA:
+            return (f"drift persists {self.since_switch[i].item()} monitored steps after the "
+                    f"switch to BETA (verify_steps {cfg.verify_steps}): {drift_text} "
+                    f"{for_steps}")
+        parts = [f"tie ratio {_g(tie[i])} ≥ {_g(cfg.tie_ratio_threshold)}"]
+        if drift[i]:
+            parts.append(drift_text)
+        if spectral[i]:
+            parts.append(f"W^Q spectral growth {_g(growth[i])} ≥ "
+                         f"{_g(cfg.spectral_growth_threshold)} and ≥ "
+                         f"{_g(cfg.spectral_growth_factor)} × median {_g(median)}")
+        return ", ".join(parts) + f" {for_steps}"
+
+    def _vec(self, name: str, t) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor [{self.n_heads}], got "
+                            f"{type(t).__name__}")
+        if tuple(t.shape) != (self.n_heads,):
+            raise ValueError(f"{name} must have shape [{self.n_heads}] (one entry per head in "
+                             f"`heads`), got {list(t.shape)}")
+        return t.detach().to("cpu", torch.float64)
+
+    def state_dict(self) -> dict:
+        return {"heads": list(self.heads), "recommended": self.recommended.clone(),
+                "streak": self.streak.clone(), "since_switch": self.since_switch.clone()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        heads = [tuple(h) for h in sd.get("heads", [])]
+        if heads != self.heads:
+            raise ValueError(
+                f"state is for {len(heads)} heads {heads[:3]}… but this policy watches "
+                f"{self.n_heads} heads {self.heads[:3]}…; build Policy with the saved run's heads"
+            )
+        for name in ("recommended", "streak", "since_switch"):
+            t = sd.get(name)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.n_heads,):
+                raise ValueError(f"state entry {name!r} must be an int64 tensor "
+                                 f"[{self.n_heads}], got {t!r:.80}")
+            setattr(self, name, t.detach().to("cpu", torch.int64).clone())

@@ -1,0 +1,240 @@
+"""Per-head online signals of the δ error (DESIGN.md §5), for n heads at once.
+
+Each monitored step brings, per head, the k×k sketch G_t = Σ_T c[T] z[T] y[T]ᵀ of the
+W^Q gradient error and the W^Q spectral norm σ. From them:
+
+  r_projection             κ_t = uᵀ G_t v, (u, v) = top singular pair of C_{t-1} = Σ_{s<t} G_s.
+                           The direction comes from the past only: with C_t (which holds
+                           G_t) zero-mean noise would project onto itself and κ would be
+                           biased positive (E[uᵀGv] ≈ ‖G‖ at the first steps).
+  r_projection_cumulative  Σ κ over all steps.
+  delta_drift_z            Σκ / sqrt(Σκ²) over the window. Because (u, v) is fixed before
+                           G_t is seen, κ_t is a martingale difference under zero-mean G,
+                           so this self-normalised sum is ≈ N(0, 1) (and, for symmetric
+                           noise, P(z ≥ x) ≤ exp(-x²/2) whatever the tails). A persistent
+                           bias makes it grow like sqrt(steps in window).
+  delta_coherence          ‖Σ_W G‖_F / Σ_W ‖G‖_F ∈ [0, 1]: 1 when all G point one way,
+                           ≈ 1/sqrt(window) for independent zero-mean G.
+  spectral_growth          σ_now / σ_oldest_in_window − 1.
+
+Memory is fixed: C [n, k, k], Σκ [n], ring buffers of the last `window` steps (κ, G,
+‖G‖_F, σ) and the window sum of G, whatever the number of steps. The κ and ‖G‖_F window
+sums are recomputed from their rings every step (n·window adds). Σ_W G is kept as a
+running sum (add the new G, subtract the one leaving): re-summing the G ring costs
+n·window·k² adds (3 ms per step for 800 heads here, the bulk of an update); it is
+re-summed exactly from the ring each time a head's ring wraps, so rounding cannot
+accumulate beyond one window. All of it is in state_dict, so a restored state
+reproduces the outputs bit for bit.
+
+Missing data. A head whose G_t has any non-finite entry (NaN rows = the probe saw no
+row of this head this step) gets no update at all: C, Σκ and its window are unchanged
+(its window does not advance, so σ of that step is not stored either) and its κ for the
+step is NaN; drift z, coherence and spectral growth are recomputed from the unchanged
+window, i.e. they repeat the last values. σ may be NaN (unknown) on a step with data: the
+window advances and spectral_growth is NaN while that NaN is the newest or oldest σ.
+
+Everything lives on the CPU in float64: the per-step tensors are tiny, float64 keeps
+Σκ exact enough over millions of steps, and decisions must not depend on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+F64 = torch.float64
+
+
+@dataclass
+class SignalValues:
+    """Outputs of one `HeadSignals.update` call, each a CPU tensor [n] (float64 unless said)."""
+
+    r_projection: torch.Tensor  # κ_t; NaN for heads without data this step
+    r_projection_cumulative: torch.Tensor  # Σ κ over all steps
+    delta_drift_z: torch.Tensor  # Σκ / sqrt(Σκ²) over the window; 0 when Σκ² = 0
+    delta_coherence: torch.Tensor  # ‖Σ_W G‖_F / Σ_W ‖G‖_F; 0 when Σ_W ‖G‖_F = 0
+    spectral_growth: torch.Tensor  # σ_now / σ_oldest − 1; NaN if unknown, < 1 step or σ_oldest ≤ 0
+    window_fill: torch.Tensor  # int64: steps in each head's window (0..window)
+
+
+class _StartVectors(dict):
+    """Fixed seeded start vector per sketch size (generic: not orthogonal to anything)."""
+
+    def __missing__(self, k: int) -> torch.Tensor:
+        self[k] = torch.randn(k, generator=torch.Generator().manual_seed(0), dtype=F64)
+        return self[k]
+
+
+_START = _StartVectors()
+
+
+def top_singular_pair(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top singular pair (u [n, k], v [n, k], σ_1 [n]) of each C[i] (float64 [n, k, k]).
+
+    (CᵀC)^64 by repeated squaring, applied to a fixed seeded start vector: other
+    directions shrink by (σ_2/σ_1)^128 (1e-22 for σ_1 = 1.5 σ_2). 6 tiny batched matmuls
+    instead of a batched SVD, which costs ~20 µs per 8×8 matrix on a CPU (3.5 ms for
+    200 heads) and dominated the update. Where σ_2 ≈ σ_1
+    (no dominant direction, e.g. pure noise) the result is some unit vector of the top
+    cluster, a deterministic function of C: κ only needs (u, v) to be fixed by the past.
+    u = C v / ‖C v‖, so the joint sign of (u, v) is consistent and cancels in uᵀ G v.
+    Returns zero vectors and σ_1 = 0 where C = 0.
+    """
+    n, k, _ = C.shape
+    M = C.mT @ C
+    for _ in range(2):
+        # Divide by the trace (= Σ eigenvalues ≥ λ_1 of this PSD matrix): then
+        # 1/k ≤ λ_1 ≤ 1, so the 8th power (3 squarings inside matrix_power) keeps
+        # λ_1^8 ≥ k^-8 far from underflow and nothing overflows. Two rounds: M^64.
+        trace = M.diagonal(dim1=1, dim2=2).sum(dim=1)
+        M = torch.linalg.matrix_power(M / trace.clamp_min(1e-300)[:, None, None], 8)
+    v = M @ _START[k].to(C.dtype)
+    v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    cv = (C @ v[:, :, None])[:, :, 0]
+    s1 = cv.norm(dim=1)
+    u = cv / s1[:, None].clamp_min(1e-300)
+    return u, v, s1
+
+
+def _check_positive_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
+    return value
+
+
+class HeadSignals:
+    """Online δ-error signals for `n_heads` heads with k×k sketches and a sliding window."""
+
+    _TENSORS = ("C", "kappa_cum", "kappa_ring", "g_ring", "g_sum", "gnorm_ring", "sigma_ring",
+                "pos", "fill")
+
+    def __init__(self, n_heads: int, sketch_dim: int, window: int) -> None:
+        self.n_heads = _check_positive_int("n_heads", n_heads)
+        self.sketch_dim = _check_positive_int("sketch_dim", sketch_dim)
+        self.window = _check_positive_int("window", window, minimum=2)
+        n, k, w = n_heads, sketch_dim, window
+        self.C = torch.zeros(n, k, k, dtype=F64)  # Σ of all past G (never reset)
+        self.kappa_cum = torch.zeros(n, dtype=F64)  # Σ κ over all steps (never reset)
+        # Ring buffers of the window. Empty slots hold 0 (σ: NaN) so whole-ring sums are
+        # window sums. pos = next slot to write, fill = valid slots, per head: heads
+        # advance independently (missing data, reset_window).
+        self.kappa_ring = torch.zeros(n, w, dtype=F64)
+        self.g_ring = torch.zeros(n, w, k, k, dtype=F64)
+        self.g_sum = torch.zeros(n, k, k, dtype=F64)  # Σ of g_ring over the window
+        self.gnorm_ring = torch.zeros(n, w, dtype=F64)
+        self.sigma_ring = torch.full((n, w), float("nan"), dtype=F64)
+        self.pos = torch.zeros(n, dtype=torch.int64)
+        self.fill = torch.zeros(n, dtype=torch.int64)
+        self._rows = torch.arange(n)
+
+    def update(self, G: torch.Tensor, sigma: torch.Tensor) -> SignalValues:
+        """Add one monitored step: G [n, k, k] (non-finite = no data), sigma [n] (NaN = unknown)."""
+        n, k = self.n_heads, self.sketch_dim
+        G = self._as_f64("G", G, (n, k, k))
+        sigma = self._as_f64("sigma", sigma, (n,))
+        has = torch.isfinite(G).flatten(1).all(dim=1)  # heads with data this step
+        G = torch.where(has[:, None, None], G, torch.zeros_like(G))
+
+        # κ from the direction of the past sum only (C before adding G_t).
+        u, v, s1 = top_singular_pair(self.C)
+        kappa = (u[:, None, :] @ G @ v[:, :, None])[:, 0, 0]
+        kappa = torch.where(s1 > 0, kappa, torch.zeros_like(kappa))  # C = 0: κ = 0
+
+        # Write this step into each head's ring; heads without data keep theirs.
+        idx = self._rows if bool(has.all()) else has.nonzero().flatten()
+        slot = self.pos[idx]
+        Gi = G[idx]
+        self.C[idx] += Gi
+        self.kappa_cum[idx] += kappa[idx]
+        self.kappa_ring[idx, slot] = kappa[idx]
+        self.g_sum[idx] += Gi - self.g_ring[idx, slot]  # the slot held the oldest G (or 0)
+        self.g_ring[idx, slot] = Gi
+        self.gnorm_ring[idx, slot] = torch.linalg.matrix_norm(Gi)
+        self.sigma_ring[idx, slot] = sigma[idx]
+        self.pos[idx] = (slot + 1) % self.window
+        self.fill[idx] = torch.clamp(self.fill[idx] + 1, max=self.window)
+        wrapped = idx[self.pos[idx] == 0]  # re-sum exactly once per window
+        if wrapped.numel():
+            self.g_sum[wrapped] = self.g_ring[wrapped].sum(dim=1)
+
+        kappa = torch.where(has, kappa, torch.full_like(kappa, float("nan")))
+        return self._values(kappa)
+
+    def _values(self, kappa: torch.Tensor) -> SignalValues:
+        s1 = self.kappa_ring.sum(dim=1)
+        s2 = (self.kappa_ring ** 2).sum(dim=1)
+        z = torch.where(s2 > 0, s1 / s2.clamp_min(1e-300).sqrt(), torch.zeros_like(s1))
+        num = torch.linalg.matrix_norm(self.g_sum)
+        den = self.gnorm_ring.sum(dim=1)
+        # min(…, 1) only hides the last-bit rounding of the triangle inequality.
+        coh = torch.where(den > 0, (num / den.clamp_min(1e-300)).clamp(max=1.0),
+                          torch.zeros_like(den))
+        newest = self.sigma_ring[self._rows, (self.pos - 1) % self.window]
+        oldest = self.sigma_ring[self._rows, (self.pos - self.fill) % self.window]
+        ok = (self.fill > 0) & (oldest > 0) & torch.isfinite(newest)  # NaN > 0 is False
+        growth = torch.where(ok, newest / oldest.clamp_min(1e-300) - 1.0,
+                             torch.full_like(newest, float("nan")))
+        return SignalValues(
+            r_projection=kappa,
+            r_projection_cumulative=self.kappa_cum.clone(),
+            delta_drift_z=z,
+            delta_coherence=coh,
+            spectral_growth=growth,
+            window_fill=self.fill.clone(),
+        )
+
+    def reset_window(self, mask: torch.Tensor) -> None:
+        """Empty the window of the heads in `mask` (bool [n]); C and Σκ are kept.
+
+        Used after a mode switch so the verification window sees post-switch steps only.
+        """
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor [n_heads], got "
+                            f"{getattr(mask, 'dtype', type(mask).__name__)}")
+        if tuple(mask.shape) != (self.n_heads,):
+            raise ValueError(f"mask must have shape [{self.n_heads}] (one entry per head), "
+                             f"got {list(mask.shape)}")
+        m = mask.cpu()
+        self.kappa_ring[m] = 0.0
+        self.g_ring[m] = 0.0
+        self.g_sum[m] = 0.0
+        self.gnorm_ring[m] = 0.0
+        self.sigma_ring[m] = float("nan")
+        self.pos[m] = 0
+        self.fill[m] = 0
+
+    def state_dict(self) -> dict:
+        sd = {name: getattr(self, name).clone() for name in self._TENSORS}
+        sd.update(n_heads=self.n_heads, sketch_dim=self.sketch_dim, window=self.window)
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        for name in ("n_heads", "sketch_dim", "window"):
+            if sd.get(name) != getattr(self, name):
+                raise ValueError(
+                    f"state has {name}={sd.get(name)!r} but these signals have "
+                    f"{getattr(self, name)}; build HeadSignals with the same n_heads, "
+                    f"sketch_dim and window as the saved run"
+                )
+        for name in self._TENSORS:
+            mine = getattr(self, name)
+            t = sd.get(name)
+            if not isinstance(t, torch.Tensor) or t.shape != mine.shape or t.dtype != mine.dtype:
+                raise ValueError(f"state entry {name!r} must be a {mine.dtype} tensor of shape "
+                                 f"{list(mine.shape)}, got {t!r:.80}")
+        for name in self._TENSORS:
+            setattr(self, name, sd[name].detach().cpu().clone())
+
+    def _as_f64(self, name: str, t, shape: tuple) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape {list(shape)}, got "
+                            f"{type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} (n_heads={self.n_heads}, "
+                             f"sketch_dim={self.sketch_dim}), got {list(t.shape)}")
+        if not (t.dtype.is_floating_point):
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        return t.detach().to("cpu", F64)

@@ -1,0 +1,542 @@
+"""Discovery of attention layers ("sites") in a model.
+
+A site is one attention module: the module whose forward makes the attention call, its
+head counts, its W^Q per head ([H, d_head, d_model], DESIGN.md §1 step 2 and §5) and
+the module whose input is X, the input of the Q projection.
+
+`find_sites(model)` recognises three layouts by the names of a module's direct children:
+
+- "nanogpt": a child `c_attn` that is an nn.Linear(C, 3C) (fused q, k, v; W^Q is rows
+  [0, C) of its weight) and a head count attribute such as `n_head`.
+- "hf": children `q_proj`, `k_proj`, `v_proj` that are nn.Linear (Llama, Mistral, Qwen,
+  OPT, ...), heads from the module or its `config`, grouped-query attention allowed.
+- "gpt2_conv1d": a child `c_attn` of class `Conv1D` (transformers' GPT-2), whose weight
+  is [C, 3C] and computes y = x @ W + b, i.e. transposed relative to nn.Linear.
+
+Anything else is given explicitly, as a dict keyed by module name (see `make_site`):
+
+    find_sites(model, sites={
+        "blocks.0.attn": dict(num_heads=8, q_module="qkv"),      # fused QKV Linear
+        "blocks.1.attn": dict(num_heads=8, q_module="to_q", head_dim=64),
+    })
+
+or as a list of `AttentionSite` (e.g. `find_sites(model) + [make_site(model, ...)]` to add
+one custom layer to those found automatically).
+
+Every site's W^Q is checked once against its q_module (see `check_orientation`), so a
+transposed or mis-sliced weight fails loudly at discovery instead of producing quietly
+wrong numbers for days.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+KINDS = ("nanogpt", "hf", "gpt2_conv1d", "explicit")
+# Where head counts live, in the order they are tried: on the module first, then on its
+# `config`. The module wins because under tensor parallelism it holds the local (sharded)
+# count while the config holds the global one.
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+HEAD_DIM_ATTRS = ("head_dim",)
+SPEC_KEYS = ("num_heads", "q_module", "wq", "num_kv_heads", "head_dim", "q_slice_of_output")
+
+# Orientation check tolerance, relative Frobenius error of X·W^Qᵀ. A transposed weight or
+# a wrong slice gives two unrelated random maps: error ≈ sqrt(2) ≈ 1.4. BF16 rounding of
+# the output gives ≈ 2^-9 ≈ 0.002 and TF32 matmuls ≈ 5e-4, so 0.05 is far from both.
+ORIENTATION_RTOL = 0.05
+
+
+@dataclass(eq=False)
+class AttentionSite:
+    """One attention layer and how to read its W^Q.
+
+    name: module path in the model (as in `model.named_modules()`; "" for the root).
+    module: the module whose forward performs the attention call.
+    num_heads, num_kv_heads: query heads and key/value heads (equal unless grouped-query).
+    head_dim, d_model: per-head width and the width of X.
+    q_module: the module whose input is X; its output, restricted to the channels
+      q_slice_of_output = (start, stop), is q laid out head-major ([..., H, head_dim]).
+      None when unknown (then there is no X and no orientation check).
+    kind: "nanogpt" | "hf" | "gpt2_conv1d" | "explicit".
+    wq_source: a callable returning W^Q as [H, head_dim, d_model] or, in nn.Linear
+      orientation, [H * head_dim, d_model]; read through `wq()`.
+    """
+
+    name: str
+    module: nn.Module = field(repr=False)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_model: int
+    q_module: nn.Module | None = field(repr=False)
+    kind: str
+    q_slice_of_output: tuple[int, int] | None
+    wq_source: Callable[[], torch.Tensor] = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"AttentionSite name must be a str, got {type(self.name).__name__}")
+        where = f"AttentionSite {self.name!r}"
+        if not isinstance(self.module, nn.Module):
+            raise TypeError(f"{where}: module must be an nn.Module, got "
+                            f"{type(self.module).__name__}")
+        for attr in ("num_heads", "num_kv_heads", "head_dim", "d_model"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{where}: {attr} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"{where}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}; each kv head serves a whole group of "
+                "query heads, so pass the counts the model actually uses"
+            )
+        if self.kind not in KINDS:
+            raise ValueError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.q_module is not None and not isinstance(self.q_module, nn.Module):
+            raise TypeError(f"{where}: q_module must be an nn.Module or None, got "
+                            f"{type(self.q_module).__name__}")
+        if self.q_module is not None and self.q_slice_of_output is None:
+            raise ValueError(f"{where}: q_module is set but q_slice_of_output is None; pass "
+                             "(start, stop) of the Q channels in q_module's output")
+        if self.q_slice_of_output is not None:
+            start, stop = _as_slice(self.q_slice_of_output, where)
+            if stop - start != self.num_heads * self.head_dim:
+                raise ValueError(
+                    f"{where}: q_slice_of_output={self.q_slice_of_output} spans "
+                    f"{stop - start} channels but num_heads * head_dim = "
+                    f"{self.num_heads} * {self.head_dim} = {self.num_heads * self.head_dim}; "
+                    "the slice must cover exactly the Q channels"
+                )
+            self.q_slice_of_output = (start, stop)
+        if not callable(self.wq_source):
+            raise TypeError(f"{where}: wq_source must be a callable returning W^Q, got "
+                            f"{type(self.wq_source).__name__}")
+
+    def wq(self) -> torch.Tensor:
+        """W^Q per head, [num_heads, head_dim, d_model], detached; a view of the live weight
+        wherever the layout allows one, so it reflects every optimizer step."""
+        w = self.wq_source()
+        H, D, C = self.num_heads, self.head_dim, self.d_model
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"site {self.name!r}: wq_source returned "
+                            f"{type(w).__name__}, expected a torch.Tensor")
+        if w.dim() == 2 and tuple(w.shape) == (H * D, C):
+            w = w.unflatten(0, (H, D))  # a view even for a transposed (Conv1D) weight
+        if tuple(w.shape) != (H, D, C):
+            raise RuntimeError(
+                f"site {self.name!r}: W^Q has shape {list(w.shape)}, expected "
+                f"[{H}, {D}, {C}] ([num_heads, head_dim, d_model]) or [{H * D}, {C}]"
+            )
+        return w.detach()
+
+
+def find_sites(
+    model: nn.Module,
+    sites: Sequence[AttentionSite] | Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[AttentionSite]:
+    """The attention sites of `model`, in `named_modules()` order, orientation-checked.
+
+    sites: None to discover them (layouts in the module docstring); a dict
+      {module_name: spec} where spec holds `make_site`'s keyword arguments; or a list of
+      `AttentionSite`. Explicit sites replace discovery, they are not added to it.
+    A module inside a site is never a second site (HF attention contains q_proj, ...).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if sites is None:
+        found = _discover(model)
+    elif isinstance(sites, Mapping):
+        found = []
+        for name, spec in sites.items():
+            if not isinstance(spec, Mapping):
+                raise TypeError(
+                    f"sites[{name!r}] must be a dict of make_site arguments such as "
+                    f"dict(num_heads=8, q_module='q_proj'), got {type(spec).__name__}"
+                )
+            unknown = sorted(set(spec) - set(SPEC_KEYS))
+            if unknown:
+                raise ValueError(f"sites[{name!r}] has unknown keys {unknown}; "
+                                 f"allowed keys are {list(SPEC_KEYS)}")
+            found.append(make_site(model, name, **spec))
+    elif isinstance(sites, Sequence) and not isinstance(sites, str):
+        found = list(sites)
+        for i, site in enumerate(found):
+            if not isinstance(site, AttentionSite):
+                raise TypeError(f"sites[{i}] must be an AttentionSite, got "
+                                f"{type(site).__name__}; build one with make_site(model, ...)")
+            if _get_submodule(model, site.name) is not site.module:
+                raise ValueError(f"sites[{i}]: model.{site.name or '<root>'} is not "
+                                 f"site.module; name must be the module's path in this model")
+    else:
+        raise TypeError(
+            "sites must be None, a dict {module_name: dict(num_heads=..., q_module=...)} or "
+            f"a list of AttentionSite, got {type(sites).__name__}"
+        )
+    if not found:
+        raise ValueError("sites is empty; pass None to discover the attention layers or "
+                         "at least one site")
+    _check_disjoint(found)
+    for site in found:
+        check_orientation(site)
+    return found
+
+
+def make_site(
+    model: nn.Module,
+    name: str,
+    *,
+    num_heads: int,
+    q_module: str | nn.Module | None = None,
+    wq: Callable[[], torch.Tensor] | torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    q_slice_of_output: tuple[int, int] | None = None,
+) -> AttentionSite:
+    """An explicit site for an attention module that `find_sites` does not recognise.
+
+    name: path of the attention module in `model` (the one whose forward calls attention).
+    num_heads: query heads. num_kv_heads: defaults to num_heads.
+    q_module: the module whose input is X: a path relative to the site module (tried
+      first, e.g. "qkv") or to the model, or the module itself.
+    wq: W^Q as [H, head_dim, d_model] or [H*head_dim, d_model] (nn.Linear orientation):
+      a tensor (an nn.Parameter stays current, optimizers update it in place) or a
+      callable returning one. Default: read from q_module when it is an nn.Linear or a
+      Conv1D, channels q_slice_of_output.
+    head_dim: defaults to d_model // num_heads.
+    q_slice_of_output: (start, stop) of the Q channels in q_module's output, head-major.
+      Default (0, num_heads * head_dim): right for a plain Q projection and for fused
+      [q | k | v] projections (nanoGPT, timm); interleaved layouts need their own wq.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"site name must be a str module path, got {type(name).__name__}")
+    module = _get_submodule(model, name)
+    if module is None:
+        raise ValueError(f"site {name!r}: the model has no module named {name!r}; use a "
+                         "name from model.named_modules()")
+    where = f"site {name!r}"
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"{where}: num_heads must be a positive int, got {num_heads!r}")
+    if wq is not None and not isinstance(wq, torch.Tensor) and not callable(wq):
+        raise TypeError(f"{where}: wq must be a tensor or a callable returning one, got "
+                        f"{type(wq).__name__}")
+    q_mod = _resolve_q_module(model, name, module, q_module)
+    q_weight = _weight_of(q_mod) if q_mod is not None else None  # [out, in] view or None
+
+    if isinstance(wq, torch.Tensor):
+        d_model = wq.shape[-1]
+    elif q_weight is not None:
+        d_model = q_weight.shape[1]
+    elif wq is not None:
+        d_model = wq().shape[-1]
+    else:
+        raise ValueError(
+            f"{where}: cannot tell W^Q: q_module is "
+            f"{type(q_mod).__name__ if q_mod is not None else 'None'}; pass wq= (a tensor "
+            "[H, head_dim, d_model] or a callable returning one) or q_module= an nn.Linear"
+        )
+    if head_dim is None:
+        if d_model % num_heads != 0:
+            raise ValueError(f"{where}: d_model={d_model} is not a multiple of "
+                             f"num_heads={num_heads}; pass head_dim= explicitly")
+        head_dim = d_model // num_heads
+    if q_slice_of_output is None and q_mod is not None:
+        q_slice_of_output = (0, num_heads * head_dim)
+
+    if wq is None:
+        if q_weight is None:
+            raise ValueError(f"{where}: q_module is {type(q_mod).__name__}, not an nn.Linear "
+                             "or Conv1D, so W^Q cannot be read from it; pass wq=")
+        start, stop = _as_slice(q_slice_of_output, where)
+        if stop > q_weight.shape[0]:
+            raise ValueError(f"{where}: q_slice_of_output={q_slice_of_output} goes past the "
+                             f"{q_weight.shape[0]} outputs of q_module")
+        source = _rows_of(q_mod, start, stop)
+    elif isinstance(wq, torch.Tensor):
+        tensor = wq
+        source = lambda: tensor  # noqa: E731
+    else:
+        source = wq
+    return AttentionSite(
+        name=name, module=module, num_heads=num_heads,
+        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        head_dim=head_dim, d_model=d_model, q_module=q_mod, kind="explicit",
+        q_slice_of_output=q_slice_of_output, wq_source=source,
+    )
+
+
+def check_orientation(site: AttentionSite) -> None:
+    """Check once that q_module(X)[..., q_slice] == X @ W^Qᵀ (+ bias), per head.
+
+    Uses a seeded 1×2×d_model input in W^Q's dtype and device, under no_grad with
+    autocast off, and compares q_module(X) − q_module(0) (the bias cancels) with
+    einsum(X, wq()). Raises RuntimeError naming the site when they differ. Sites without
+    a q_module, or with weights on the meta device, cannot be checked and pass.
+    """
+    w = site.wq()
+    if site.q_module is None or w.device.type == "meta":
+        return
+    if not w.dtype.is_floating_point:
+        raise RuntimeError(f"site {site.name!r}: W^Q has dtype {w.dtype}; flashwatch needs "
+                           "floating-point Q weights (quantized layers are not supported)")
+    # Own generator: discovery must not move the global RNG, or watching a run would
+    # change its data order and dropout masks.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, site.d_model, generator=gen).to(device=w.device, dtype=w.dtype)
+    start, stop = site.q_slice_of_output
+    with torch.no_grad(), _autocast_off(w.device.type):
+        try:
+            out, zero = site.q_module(x), site.q_module(torch.zeros_like(x))
+        except Exception as e:
+            raise RuntimeError(
+                f"site {site.name!r}: calling q_module ({type(site.q_module).__name__}) on a "
+                f"[1, 2, {site.d_model}] {w.dtype} input failed ({e}); q_module must take X "
+                "of width d_model (the last dim of W^Q)"
+            ) from e
+        if not isinstance(out, torch.Tensor) or out.shape[:-1] != x.shape[:-1]:
+            raise RuntimeError(
+                f"site {site.name!r}: q_module ({type(site.q_module).__name__}) returned "
+                f"{_describe(out)} for an input [1, 2, {site.d_model}]; it must return one "
+                "tensor [..., channels] whose channels q_slice_of_output selects"
+            )
+        if stop > out.shape[-1]:
+            raise RuntimeError(f"site {site.name!r}: q_slice_of_output={(start, stop)} goes "
+                               f"past the {out.shape[-1]} output channels of q_module")
+        got = (out[..., start:stop].float() - zero[..., start:stop].float())
+        got = got.unflatten(-1, (site.num_heads, site.head_dim))
+        want = torch.einsum("btc,hdc->bthd", x.float(), w.float())
+        err = (got - want).norm().item()
+        # Rounding of q_module's output in its own dtype: at most eps/2 per element for each
+        # of up to two roundings (matmul, then + bias), so eps·(‖f(X)‖ + ‖f(0)‖) bounds it.
+        rounding = torch.finfo(out.dtype).eps * (
+            out[..., start:stop].float().norm() + zero[..., start:stop].float().norm())
+        allowed = ORIENTATION_RTOL * want.norm().item() + rounding.item()
+    if not err <= allowed:  # `not <=` so that NaN fails too
+        raise RuntimeError(
+            f"site {site.name!r} ({site.kind}): W^Q does not match its q_module "
+            f"({type(site.q_module).__name__}): |q_module(X) - X W^Qᵀ| = {err:.3g} > "
+            f"{allowed:.3g} allowed (relative {err / max(want.norm().item(), 1e-30):.3g}). "
+            "The weight is transposed (nn.Linear stores [out, in], Conv1D [in, out]) or "
+            "q_slice_of_output selects the wrong channels; pass this site explicitly with "
+            "sites={name: dict(num_heads=..., q_module=..., wq=...)}"
+        )
+
+
+# --- discovery -----------------------------------------------------------------------
+
+
+def _discover(model: nn.Module) -> list[AttentionSite]:
+    found: list[AttentionSite] = []
+    claimed: set[int] = set()  # ids of modules inside a found site
+    rejected: list[str] = []  # near misses, named in the error if nothing is found
+    searched = 0
+    for name, module in model.named_modules():  # pre-order: parents before children
+        if id(module) in claimed:
+            continue
+        searched += 1
+        site = _match(name, module, rejected)
+        if site is not None:
+            found.append(site)
+            claimed.update(id(m) for m in module.modules())
+    if not found:
+        raise ValueError(_nothing_found(model, searched, rejected))
+    return found
+
+
+def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite | None:
+    children = module._modules  # direct children only: a block is not its attention
+    where = f"module {name or '<root>'!r} ({type(module).__name__})"
+    c_attn = children.get("c_attn")
+    if c_attn is not None:
+        is_conv1d = type(c_attn).__name__ == "Conv1D"
+        if isinstance(c_attn, nn.Linear):
+            C, out = c_attn.in_features, c_attn.out_features
+        elif is_conv1d and getattr(c_attn, "weight", None) is not None and c_attn.weight.dim() == 2:
+            C, out = c_attn.weight.shape  # Conv1D stores [in, out]
+        else:
+            rejected.append(f"{where}: c_attn is {type(c_attn).__name__}, not nn.Linear or "
+                            "Conv1D")
+            return None
+        if out != 3 * C:
+            rejected.append(f"{where}: c_attn maps {C} -> {out} channels, expected 3*{C} = "
+                            f"{3 * C} (fused q, k, v of equal width)")
+            return None
+        H = _lookup_int(module, HEAD_ATTRS)
+        if H is None:
+            raise ValueError(_no_heads(where, "c_attn", module))
+        if C % H != 0:
+            raise ValueError(f"{where}: width {C} is not a multiple of its head count {H}; "
+                             "pass this site explicitly with sites=")
+        return AttentionSite(
+            name=name, module=module, num_heads=H, num_kv_heads=H, head_dim=C // H,
+            d_model=C, q_module=c_attn, kind="gpt2_conv1d" if is_conv1d else "nanogpt",
+            q_slice_of_output=(0, C), wq_source=_rows_of(c_attn, 0, C),
+        )
+
+    projs = [children.get(p) for p in ("q_proj", "k_proj", "v_proj")]
+    if all(p is None for p in projs):
+        return None
+    if not all(isinstance(p, nn.Linear) for p in projs):
+        kinds = ", ".join(f"{n}={type(p).__name__}" for n, p in
+                          zip(("q_proj", "k_proj", "v_proj"), projs, strict=True))
+        rejected.append(f"{where}: needs q_proj, k_proj, v_proj all nn.Linear, has {kinds}")
+        return None
+    q_proj, k_proj, v_proj = projs
+    H = _lookup_int(module, HEAD_ATTRS)
+    D = _lookup_int(module, HEAD_DIM_ATTRS)
+    if H is None and D is not None and q_proj.out_features % D == 0:
+        H = q_proj.out_features // D
+    if H is None:
+        raise ValueError(_no_heads(where, "q_proj", module))
+    if D is None:
+        D = q_proj.out_features // H
+    Hkv = _lookup_int(module, KV_HEAD_ATTRS)
+    if Hkv is None:
+        Hkv = k_proj.out_features // D
+    if (q_proj.out_features != H * D or k_proj.out_features != Hkv * D
+            or v_proj.out_features != Hkv * D or H % Hkv != 0):
+        raise ValueError(
+            f"{where}: head counts do not fit the projections: num_heads={H}, "
+            f"num_kv_heads={Hkv}, head_dim={D}, but q_proj has {q_proj.out_features} "
+            f"outputs, k_proj {k_proj.out_features}, v_proj {v_proj.out_features}; pass "
+            "this site explicitly with sites={name: dict(num_heads=..., num_kv_heads=..., "
+            "head_dim=..., q_module='q_proj')}"
+        )
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+        d_model=q_proj.in_features, q_module=q_proj, kind="hf",
+        q_slice_of_output=(0, H * D), wq_source=_rows_of(q_proj, 0, H * D),
+    )
+
+
+def _lookup_int(module: nn.Module, attrs: Sequence[str]) -> int | None:
+    """First positive int among module.<attr>, then module.config.<attr>."""
+    holders = [module]
+    config = getattr(module, "config", None)
+    if config is not None:
+        holders.append(config)
+    for holder in holders:
+        for attr in attrs:
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _no_heads(where: str, proj: str, module: nn.Module) -> str:
+    return (
+        f"{where} has an attention projection `{proj}` but no head count: looked for "
+        f"{', '.join(HEAD_ATTRS)} (and {', '.join(HEAD_DIM_ATTRS)}) on the module and on its "
+        "`config`. Set one of them, or pass the site explicitly: "
+        "find_sites(model, sites={name: dict(num_heads=..., q_module=...)})"
+    )
+
+
+def _nothing_found(model: nn.Module, searched: int, rejected: list[str]) -> str:
+    lines = [
+        f"found no attention layers in {type(model).__name__} ({searched} modules searched). "
+        "flashwatch looks for modules with these direct children:",
+        "  - nanoGPT: `c_attn` = nn.Linear(C, 3C) (fused q, k, v) and a head count",
+        "  - Hugging Face: `q_proj`, `k_proj`, `v_proj` = nn.Linear, head count on the module "
+        "or its `config`",
+        "  - GPT-2 (transformers): `c_attn` = Conv1D with weight [C, 3C] and a head count",
+        f"  head count attributes: {', '.join(HEAD_ATTRS + KV_HEAD_ATTRS + HEAD_DIM_ATTRS)}",
+    ]
+    if rejected:
+        lines.append("Close matches that were rejected:")
+        lines.extend(f"  - {r}" for r in rejected[:10])
+    lines.append(
+        "Pass the attention modules explicitly, e.g. sites={'blocks.0.attn': "
+        "dict(num_heads=8, q_module='qkv')} (q_module: the Q projection, relative to the "
+        "attention module; fused [q | k | v] works), or a list of flashwatch.sites.make_site(...)"
+    )
+    return "\n".join(lines)
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def _rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.Tensor]:
+    """Getter for output channels [start, stop) of a Linear/Conv1D weight as [out, in].
+
+    It reads `q_module.weight` on every call, so a replaced Parameter is seen too.
+    """
+    return lambda: _weight_of(q_module)[start:stop]
+
+
+def _weight_of(q_module: nn.Module) -> torch.Tensor | None:
+    """The weight of an nn.Linear or Conv1D in nn.Linear orientation [out, in] (a view)."""
+    if isinstance(q_module, nn.Linear):
+        return q_module.weight
+    if type(q_module).__name__ == "Conv1D":
+        return q_module.weight.T  # Conv1D: y = x @ W + b with W [in, out]
+    return None
+
+
+def _resolve_q_module(model: nn.Module, name: str, module: nn.Module,
+                      q_module: str | nn.Module | None) -> nn.Module | None:
+    if q_module is None or isinstance(q_module, nn.Module):
+        return q_module
+    if not isinstance(q_module, str):
+        raise TypeError(f"site {name!r}: q_module must be a module path (str), an nn.Module "
+                        f"or None, got {type(q_module).__name__}")
+    found = _get_submodule(module, q_module)
+    if found is None:
+        found = _get_submodule(model, q_module)
+    if found is None:
+        children = [n for n, _ in module.named_children()]
+        raise ValueError(f"site {name!r}: q_module={q_module!r} is neither a submodule of the "
+                         f"site (children: {children}) nor of the model")
+    return found
+
+
+def _autocast_off(device_type: str):
+    """Autocast off, so q_module runs in its weights' dtype even inside a user's autocast."""
+    available = getattr(torch.amp, "is_autocast_available", lambda d: d in ("cpu", "cuda"))
+    if available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _get_submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _as_slice(value: Any, where: str) -> tuple[int, int]:
+    ok = (isinstance(value, (tuple, list)) and len(value) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+          and 0 <= value[0] < value[1])
+    if not ok:
+        raise ValueError(f"{where}: q_slice_of_output must be (start, stop) with "
+                         f"0 <= start < stop, got {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _check_disjoint(sites: list[AttentionSite]) -> None:
+    """No site may contain another (or repeat it): one attention call would count twice.
+
+    Sharing a helper module (a rotary table, say) between sites is fine.
+    """
+    for i, site in enumerate(sites):
+        inner = {id(m) for m in site.module.modules()}
+        for other in sites[i + 1:]:
+            if id(other.module) in inner or id(site.module) in set(map(id, other.module.modules())):
+                raise ValueError(
+                    f"sites {site.name!r} and {other.name!r} overlap (one contains the other "
+                    "or they are the same module); list each attention module once"
+                )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor {list(value.shape)}"
+    return f"a {type(value).__name__}"

@@ -1,0 +1,579 @@
+"""`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
+
+One monitored optimizer step, end to end (DESIGN.md §2):
+  forward   a forward pre-hook on each watched attention module marks it current; a
+            TorchFunctionMode (pushed only while that module runs, and only when needed)
+            catches its F.scaled_dot_product_attention call, and flashwatch.attention
+            calls see the same mark. A layer with a non-STANDARD head is routed to
+            flashwatch.attention with its modes. On monitored steps the probe samples
+            rows, recomputes them in FP32 and hooks the output's gradient.
+  backward  the gradient hook computes c[T] and the sketch G for the sampled rows.
+  step()    once per optimizer step: W^Q spectral norms, one packed all_gather across
+            ranks, signals, policy, new modes from the next step, a StepReport to sinks.
+Failures inside flashwatch are logged once, counted and never raised into training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from flashwatch import dispatch as _dispatch_mod
+from flashwatch import probe
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import AttentionStats, Mode
+from flashwatch.policy import Policy
+from flashwatch.report import HeadRecord, StepReport
+from flashwatch.signals import HeadSignals
+from flashwatch.sinks import Sink
+from flashwatch.sites import AttentionSite, find_sites
+from flashwatch.spectral import power_iteration
+
+log = logging.getLogger("flashwatch")
+
+STATE_VERSION = 1
+
+
+@dataclass
+class _SiteState:
+    """Runtime state of one watched layer: modes, sketch matrices, step accumulators."""
+
+    site: AttentionSite
+    offset: int  # index of head 0 in the watcher's flat head arrays
+    modes: torch.Tensor  # int32 [H], applied modes, read at every call
+    omega_x: torch.Tensor  # [d_model, k]
+    omega_a: torch.Tensor  # [d_head, k]
+    omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
+    power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
+    x: torch.Tensor | None = None  # input of the Q projection during the current call
+    pushed: bool = False
+    warned: set = field(default_factory=set)
+    # accumulators of the current monitored step (reset in step())
+    stats: AttentionStats | None = None
+    probe_tied: torch.Tensor | None = None
+    probe_rows: int = 0
+    probe_max: torch.Tensor | None = None
+    delta_sum: torch.Tensor | None = None
+    G: torch.Tensor | None = None
+    grad_rows: int = 0
+
+    def reset(self, k: int) -> None:
+        H = self.site.num_heads
+        self.stats = AttentionStats.zeros(H)
+        self.probe_tied = torch.zeros(H, dtype=torch.int64)
+        self.probe_rows = 0
+        self.probe_max = torch.full((H,), -math.inf)
+        self.delta_sum = torch.zeros(H, dtype=torch.float64)
+        self.G = torch.zeros(H, k, k, dtype=torch.float64)
+        self.grad_rows = 0
+
+
+class _Interceptor(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention calls made inside a watched module."""
+
+    def __init__(self, watcher: Watcher):
+        super().__init__()
+        self.watcher = watcher
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        st = self.watcher._current
+        if func is F.scaled_dot_product_attention and st is not None:
+            return self.watcher._on_sdpa(st, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Watcher:
+    """Watches the attention layers of one model. Create it with `flashwatch.watch`."""
+
+    def __init__(self, model: nn.Module, config: WatchConfig | None = None,
+                 sinks: Iterable[Sink] | None = None, sites=None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = config or WatchConfig()
+        if not isinstance(self.config, WatchConfig):
+            raise TypeError(f"config must be a flashwatch.WatchConfig, got "
+                            f"{type(self.config).__name__}")
+        self.sinks = list(sinks or [])
+        for s in self.sinks:
+            if not callable(getattr(s, "write", None)):
+                raise TypeError(f"sink {s!r} has no write(report) method")
+        self.sites = find_sites(model, sites)
+        cfg = self.config
+        k = cfg.sketch_dim
+        self._states: list[_SiteState] = []
+        offset = 0
+        for i, site in enumerate(self.sites):
+            g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)
+            # Gaussian sketches scaled so z and y keep the norms of X and PK on average.
+            st = _SiteState(
+                site=site, offset=offset,
+                modes=torch.zeros(site.num_heads, dtype=torch.int32),
+                omega_x=torch.randn(site.d_model, k, generator=g) / math.sqrt(k),
+                omega_a=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
+                omega_q=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
+            )
+            st.reset(k)
+            self._states.append(st)
+            offset += site.num_heads
+        self._heads = [(st.site.name, h) for st in self._states
+                       for h in range(st.site.num_heads)]
+        self._signals = HeadSignals(len(self._heads), k, cfg.window)
+        self._policy = Policy(cfg, self._heads)
+        self._gen = torch.Generator().manual_seed(cfg.seed)
+        self._step = 0  # optimizer steps completed = index of the step being accumulated
+        self._monitoring = True  # step 0 is monitored
+        self._events: list = []
+        self._errors_total = 0
+        self._error_keys: set = set()
+        self._monitor_seconds = 0.0
+        self._current: _SiteState | None = None
+        self._removed = False
+        self._mode = _Interceptor(self)
+        self._handles = []
+        for st in self._states:
+            mod = st.site.module
+            self._handles.append(mod.register_forward_pre_hook(self._pre_hook(st)))
+            self._handles.append(mod.register_forward_hook(self._post_hook(st), always_call=True))
+            if st.site.q_module is not None:
+                self._handles.append(
+                    st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
+        self._ctx_token = None
+
+    # ----------------------------------------------------------------------- public API
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps completed (calls to step())."""
+        return self._step
+
+    @property
+    def monitor_errors_total(self) -> int:
+        return self._errors_total
+
+    @property
+    def events(self) -> list:
+        """Every mode change (applied or advised) since the start, oldest first."""
+        return list(self._events)
+
+    def head_modes(self) -> dict[str, list[Mode]]:
+        return {st.site.name: [Mode(int(m)) for m in st.modes] for st in self._states}
+
+    def set_head_modes(self, layer: str, modes) -> None:
+        """Set the modes of one watched layer by hand, from the next attention call on
+        (e.g. to apply what "advise" recommends). Logged as user events."""
+        from flashwatch.kernels.common import normalize_head_modes
+        from flashwatch.report import Event
+
+        st = next((s for s in self._states if s.site.name == layer), None)
+        if st is None:
+            raise ValueError(f"layer {layer!r} is not watched; watched layers: "
+                             f"{[s.site.name for s in self._states]}")
+        new = normalize_head_modes(modes, st.site.num_heads)
+        for h in range(st.site.num_heads):
+            if int(new[h]) != int(st.modes[h]):
+                self._events.append(Event(step=self._step, layer=layer, head=h,
+                                          from_mode=Mode(int(st.modes[h])),
+                                          to_mode=Mode(int(new[h])), reason="set by user",
+                                          applied=True))
+        st.modes = new
+
+    def step(self) -> StepReport | None:
+        """Call once per optimizer step. Returns the report of a monitored step, else None."""
+        if self._removed:
+            raise RuntimeError("this Watcher was removed; create a new one with "
+                               "flashwatch.watch(model)")
+        t0 = time.perf_counter()
+        completed, was_monitoring = self._step, self._monitoring
+        self._step += 1
+        self._monitoring = self._step % self.config.every_n_steps == 0
+        if not was_monitoring:
+            return None
+        try:
+            report = self._build_report(completed)
+        except Exception as e:  # never take the run down
+            self._error("step", e)
+            for st in self._states:
+                st.reset(self.config.sketch_dim)
+            return None
+        report.monitor_seconds = self._monitor_seconds + time.perf_counter() - t0
+        self._monitor_seconds = 0.0
+        report.monitor_errors_total = self._errors_total
+        for sink in self.sinks:
+            try:
+                sink.write(report)
+            except Exception as e:
+                self._error(f"sink {type(sink).__name__}", e)
+        report.monitor_errors_total = self._errors_total
+        return report
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION,
+            "config": self.config.to_dict(),
+            "step": self._step,
+            "monitoring": self._monitoring,
+            "sites": [(st.site.name, st.site.num_heads) for st in self._states],
+            "modes": [st.modes.clone() for st in self._states],
+            "power_v": [None if st.power_v is None else st.power_v.clone()
+                        for st in self._states],
+            "rng": self._gen.get_state(),
+            "signals": self._signals.state_dict(),
+            "policy": self._policy.state_dict(),
+            "events": [e.to_dict() for e in self._events],
+            "errors_total": self._errors_total,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        from flashwatch.report import Event
+
+        if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
+            raise ValueError(f"not a flashwatch Watcher state (version "
+                             f"{sd.get('version') if isinstance(sd, dict) else None!r}, "
+                             f"expected {STATE_VERSION})")
+        mine = [(st.site.name, st.site.num_heads) for st in self._states]
+        theirs = [tuple(x) for x in sd["sites"]]
+        if mine != theirs:
+            raise ValueError(f"the saved watcher watched layers {theirs}, this one watches "
+                             f"{mine}; load it into a watcher of the same model")
+        if sd["config"] != self.config.to_dict():
+            log.warning("flashwatch: resuming with a different WatchConfig than the saved "
+                        "run's; decisions may differ from the uninterrupted run")
+        self._step = int(sd["step"])
+        self._monitoring = bool(sd["monitoring"])
+        for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
+            st.modes = modes.clone().to(torch.int32)
+            st.power_v = None if v is None else v.clone()
+            st.reset(self.config.sketch_dim)
+        self._gen.set_state(sd["rng"])
+        self._signals.load_state_dict(sd["signals"])
+        self._policy.load_state_dict(sd["policy"])
+        self._events = [Event.from_dict(e) for e in sd["events"]]
+        self._errors_total = int(sd["errors_total"])
+
+    def remove(self) -> None:
+        """Detach every hook and close the sinks; the model is left as it was."""
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for st in self._states:
+            if st.pushed:
+                self._mode.__exit__(None, None, None)
+                st.pushed = False
+        self._current = None
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception as e:
+                    self._error(f"sink {type(sink).__name__}.close", e)
+
+    def __enter__(self) -> Watcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ forward hooks
+
+    def _pre_hook(self, st: _SiteState):
+        def hook(module, args):
+            if self._removed:
+                return
+            self._current = st
+            self._ctx_token = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
+            if self._monitoring or self.config.route_all or bool(st.modes.any()):
+                self._mode.__enter__()
+                st.pushed = True
+        return hook
+
+    def _post_hook(self, st: _SiteState):
+        def hook(module, args, output):
+            if st.pushed:
+                self._mode.__exit__(None, None, None)
+                st.pushed = False
+            if self._ctx_token is not None:
+                _dispatch_mod._INTERCEPT.reset(self._ctx_token)
+                self._ctx_token = None
+            self._current = None
+            st.x = None
+        return hook
+
+    def _x_hook(self, st: _SiteState):
+        def hook(module, args):
+            if self._monitoring and not self._removed and args:
+                st.x = args[0]  # a reference only; rows are taken at the attention call
+        return hook
+
+    # ------------------------------------------------------------- attention handling
+
+    def _on_sdpa(self, st: _SiteState, func, args, kwargs):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa")
+        a = dict(zip(names, args, strict=False))  # SDPA takes fewer positionals
+        a.update(kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
+        causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+        route = self.config.route_all or bool(st.modes.any())
+        out, routed = None, False
+        if route:
+            reason = None
+            if mask is not None:
+                reason = "it passes attn_mask"
+            elif dropout and torch.is_grad_enabled():
+                reason = f"it uses attention dropout ({dropout})"
+            elif q.dim() != 4:
+                reason = f"its q has {q.dim()} dims"
+            if reason is None:
+                try:
+                    out = self._routed(st, q, k, v, causal, scale, None)
+                    routed = True
+                except Exception as e:
+                    self._error(f"routing {st.site.name}", e)
+            else:
+                self._warn_once(st, "unmitigable",
+                                f"flashwatch: cannot apply head modes to {st.site.name} "
+                                f"because {reason}; it stays on the original kernel and "
+                                f"is still measured")
+        if out is None:
+            out = func(*args, **kwargs)
+        if self._monitoring:
+            self._safe_probe(st, q, k, v, out, causal, scale, mask, routed)
+        return out
+
+    def _make_fw_interceptor(self, st: _SiteState):
+        def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=None,
+                      eps=None, stats=None, backend=None):
+            out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
+                               beta=beta, eps=eps, backend=backend)
+            if self._monitoring:
+                self._safe_probe(st, q, k, v, out, causal, scale, None, True)
+            return out
+        return intercept
+
+    def _routed(self, st, q, k, v, causal, scale, head_modes, *, user_stats=None, beta=None,
+                eps=None, backend=None):
+        cfg = self.config
+        if k.shape[1] != q.shape[1]:  # grouped-query attention (enable_gqa)
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        modes = st.modes
+        if head_modes is not None:  # the caller's own modes: the stronger of the two wins
+            from flashwatch.kernels.common import normalize_head_modes
+            modes = torch.maximum(modes, normalize_head_modes(head_modes, q.shape[1]))
+        stats = None
+        if self._monitoring or user_stats is not None:
+            stats = AttentionStats.zeros(q.shape[1], device=q.device)
+        out = _dispatch_mod._dispatch(
+            q, k, v, causal=causal, scale=scale, head_modes=modes,
+            beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
+            stats=stats, backend=backend or cfg.backend)
+        if stats is not None:
+            if user_stats is not None:
+                user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
+                user_stats.rows += stats.rows.to(user_stats.rows.device)
+            if self._monitoring:
+                st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
+                              stats.max_logit.cpu())
+                st.stats.rows += stats.rows.cpu()
+        return out
+
+    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed):
+        t0 = time.perf_counter()
+        try:
+            self._probe(st, q, k, v, out, causal, scale, mask, routed)
+        except Exception as e:
+            self._error(f"probe {st.site.name}", e)
+        self._monitor_seconds += time.perf_counter() - t0
+
+    def _probe(self, st, q, k, v, out, causal, scale, mask, routed):
+        cfg = self.config
+        if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
+            self._warn_once(st, "shape", f"flashwatch: {st.site.name}: attention on shape "
+                            f"{tuple(q.shape)} is not [B, H, N, D]; not probed")
+            return
+        B, H, Nq, D = q.shape
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        out_graph = out  # the gradient hook goes on the tensor autograd sees
+        with torch.no_grad():
+            q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
+            if k.shape[1] != H:
+                rep = H // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            b, t = probe.sample_rows(self._gen, B, Nq, cfg.rows_per_head)
+            b, t = b.to(q.device), t.to(q.device)
+            o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=causal,
+                                                     scale=scale, attn_mask=mask, eps=cfg.eps)
+            st.probe_tied += tied.sum(0).cpu()
+            st.probe_rows += len(b)
+            st.probe_max = torch.maximum(st.probe_max, row_max.amax(0).cpu())
+            o_used = out[b, :, t].float()
+            fp32_heads = st.modes == int(Mode.FP32_O)
+            if routed and fp32_heads.any():
+                # δ of these heads came from the kernel's FP32 O; its residual error is at
+                # FP32 rounding, far below what the probe resolves: count it as 0.
+                o_used[:, fp32_heads.to(q.device)] = o32[:, fp32_heads.to(q.device)]
+            x = st.x
+            if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
+                    x.shape[2] == st.site.d_model:
+                z = x.detach()[b, t].float() @ st.omega_x.to(q.device)  # [R, k]
+            else:
+                if x is not None:
+                    self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
+                                    f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
+                                    f"using q-space sketch terms")
+                z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
+            y = pk @ st.omega_a.to(q.device)  # [R, H, k]
+        if out_graph.requires_grad:
+            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y))
+
+    def _grad_hook(self, st, b, t, o_used, o32, z, y):
+        def hook(grad):
+            if self._removed:
+                return None
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():
+                    c = probe.delta_error(grad[b, :, t], o_used, o32)  # [R, H]
+                    st.delta_sum += c.sum(0).cpu()
+                    st.G += probe.sketch(c, z, y).cpu()
+                    st.grad_rows += len(b)
+            except Exception as e:
+                self._error(f"gradient probe {st.site.name}", e)
+            self._monitor_seconds += time.perf_counter() - t0
+            return None
+        return hook
+
+    # ------------------------------------------------------------------------- step
+
+    def _build_report(self, step: int) -> StepReport:
+        cfg = self.config
+        n, k = len(self._heads), cfg.sketch_dim
+        tied = torch.zeros(n, dtype=torch.float64)
+        rows = torch.zeros(n, dtype=torch.float64)
+        max_logit = torch.full((n,), -math.inf, dtype=torch.float64)
+        delta_sum = torch.zeros(n, dtype=torch.float64)
+        G = torch.zeros(n, k, k, dtype=torch.float64)
+        grad_rows = torch.zeros(n, dtype=torch.float64)
+        sigma = torch.full((n,), math.nan, dtype=torch.float64)
+        for st in self._states:
+            sl = slice(st.offset, st.offset + st.site.num_heads)
+            if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
+                tied[sl] = st.stats.tied_rows.double()
+                rows[sl] = st.stats.rows.double()
+            else:
+                tied[sl] = st.probe_tied.double()
+                rows[sl] = float(st.probe_rows)
+            max_logit[sl] = torch.maximum(st.probe_max, st.stats.max_logit).double()
+            delta_sum[sl] = st.delta_sum
+            G[sl] = st.G
+            grad_rows[sl] = float(st.grad_rows)
+            try:
+                with torch.no_grad():
+                    s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
+                                                    cfg.power_iters)
+                sigma[sl] = s.double().cpu()
+            except Exception as e:
+                self._error(f"spectral norm {st.site.name}", e)
+            st.reset(k)
+        tied, rows, max_logit, delta_sum, G, grad_rows = _all_reduce(
+            tied, rows, max_logit, delta_sum, G, grad_rows)
+        no_rows = rows == 0
+        tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
+        max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
+        no_grad = grad_rows == 0
+        delta_sum = torch.where(no_grad, math.nan, delta_sum)
+        G = torch.where(no_grad.view(-1, 1, 1), math.nan, G)
+        values = self._signals.update(G, sigma)
+        modes = torch.cat([st.modes for st in self._states]).long()
+        decision = self._policy.decide(step, tie_ratio, values, modes)
+        new_modes = decision.modes.to(torch.int32)
+        for st in self._states:
+            st.modes = new_modes[st.offset:st.offset + st.site.num_heads].clone()
+        if decision.reset_window.any():
+            self._signals.reset_window(decision.reset_window)
+        self._events.extend(decision.events)
+        records = []
+        for i, (layer, head) in enumerate(self._heads):
+            records.append(HeadRecord(
+                layer=layer, head=head,
+                tied_rowmax_ratio=float(tie_ratio[i]),
+                attention_max_logit=float(max_logit[i]),
+                delta_error_sum=float(delta_sum[i]),
+                r_projection=float(values.r_projection[i]),
+                r_projection_cumulative=float(values.r_projection_cumulative[i]),
+                delta_drift_z=float(values.delta_drift_z[i]),
+                delta_coherence=float(values.delta_coherence[i]),
+                wq_spectral_norm=float(sigma[i]),
+                head_mode=Mode(int(new_modes[i])),
+                recommended_mode=Mode(int(decision.recommended[i])),
+                flagged=bool(decision.flagged[i]),
+            ))
+        return StepReport(step=step, heads=records, events=list(decision.events))
+
+    # ----------------------------------------------------------------------- errors
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self._errors_total += 1
+        key = (where, type(exc).__name__)
+        if key not in self._error_keys:
+            self._error_keys.add(key)
+            log.error("flashwatch: %s failed (%s: %s); training continues, the error is "
+                      "counted in flashwatch_monitor_errors_total and logged once",
+                      where, type(exc).__name__, exc, exc_info=exc)
+
+    def _warn_once(self, st: _SiteState, key: str, message: str) -> None:
+        if key not in st.warned:
+            st.warned.add(key)
+            log.warning(message)
+
+
+def _all_reduce(tied, rows, max_logit, delta_sum, G, grad_rows):
+    """Sum (max for max_logit) the per-head numbers over ranks in one all_gather."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return tied, rows, max_logit, delta_sum, G, grad_rows
+    n = tied.numel()
+    packed = torch.cat([tied, rows, delta_sum, grad_rows, G.flatten(), max_logit])
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    packed = packed.to(device)
+    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, packed)
+    stacked = torch.stack(gathered).cpu()
+    summed = stacked[:, :-n].sum(0)
+    max_logit = stacked[:, -n:].amax(0)
+    tied, rows, delta_sum, grad_rows = summed[:4 * n].view(4, n)
+    G = summed[4 * n:].view_as(G)
+    return tied, rows, max_logit, delta_sum, G, grad_rows
+
+
+def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,
+          **kwargs) -> Watcher:
+    """Attach flashwatch to `model`'s attention layers; returns the Watcher.
+
+    Pass a WatchConfig, or its fields as keyword arguments (not both). Call
+    `watcher.step()` once per optimizer step; `watcher.remove()` (or a `with` block)
+    detaches it.
+    """
+    if config is not None and kwargs:
+        raise TypeError(f"pass either config= or WatchConfig fields as keywords, not both "
+                        f"(got config and {sorted(kwargs)})")
+    if config is None:
+        config = WatchConfig.from_kwargs(**kwargs)
+    return Watcher(model, config, sinks, sites)

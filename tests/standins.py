@@ -1,0 +1,270 @@
+"""Small stand-ins for model families flashwatch must find without importing them.
+
+Written for these tests (no dependency on `transformers` or `timm`); they copy only the
+parts that discovery and the watcher look at: module names, attribute names, weight
+layouts and the attention call (F.scaled_dot_product_attention inside the attention
+module's forward). Each model has forward(idx, targets=None) -> (logits, loss) like
+examples.gpt.GPT, so watcher tests can drive all of them the same way.
+
+- TinyLlama: Hugging Face Llama layout, model.layers.{i}.self_attn with q_proj/k_proj/
+  v_proj/o_proj, head counts only on `config` (as in recent transformers), grouped-query
+  attention (4 query heads share 2 kv heads) and head_dim * heads != hidden_size.
+- TinyGPT2: Hugging Face GPT-2 layout, transformer.h.{i}.attn with a fused `c_attn`
+  of class Conv1D (weight [in, out], y = x @ W + b), num_heads/head_dim/split_size.
+- TinyViTish: timm-like `qkv` Linear and `num_heads`, which discovery does not know;
+  it needs explicit sites.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
+    if targets is None:
+        return None
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
+# --- Llama -------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 64
+    hidden_size: int = 32
+    intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16  # 4 * 16 = 64 != 32 on purpose: head_dim must come from config
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        H, Hkv, C = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+        self.q_proj = nn.Linear(C, H * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(C, Hkv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(C, Hkv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.head_dim, C, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Real Llama applies rotary embeddings to q and k here; they act after the Q
+        # projection and change nothing that discovery looks at, so they are left out.
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        # Grouped-query attention: kv head j serves query heads [j*g, (j+1)*g).
+        k = k.repeat_interleave(self.num_key_value_groups, dim=1)
+        v = v.repeat_interleave(self.num_key_value_groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+        return self.o_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        C, M = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(C, M, bias=False)
+        self.up_proj = nn.Linear(C, M, bias=False)
+        self.down_proj = nn.Linear(M, C, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = nn.RMSNorm(config.hidden_size)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class TinyLlama(nn.Module):
+    """Names as in transformers' LlamaForCausalLM: model.layers.{i}.self_attn."""
+
+    def __init__(self, config: LlamaConfig | None = None):
+        super().__init__()
+        self.config = config or LlamaConfig()
+        self.model = LlamaModel(self.config)
+        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.lm_head(self.model(idx))
+        return logits, _lm_loss(logits, targets)
+
+
+# --- GPT-2 -------------------------------------------------------------------------
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int = 64
+    n_positions: int = 32
+    n_embd: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+
+
+class Conv1D(nn.Module):
+    """transformers' GPT-2 projection: weight [nx, nf] (in, out), y = x @ W + b."""
+
+    def __init__(self, nf: int, nx: int):
+        super().__init__()
+        self.nf = nf
+        self.nx = nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        # transformers starts the bias at zero; non-zero here so tests see it handled.
+        self.bias = nn.Parameter(torch.randn(nf) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.embed_dim = config.n_embd
+        self.num_heads = config.n_head
+        self.head_dim = self.embed_dim // self.num_heads
+        self.split_size = self.embed_dim
+        self.c_attn = Conv1D(3 * self.embed_dim, self.embed_dim)
+        self.c_proj = Conv1D(self.embed_dim, self.embed_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.c_attn(x).split(self.split_size, dim=2)
+        shape = (*x.shape[:-1], -1, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(*x.shape[:-1], -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = Conv1D(4 * config.n_embd, config.n_embd)
+        self.c_proj = Conv1D(config.n_embd, 4 * config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: GPT2Config, layer_idx: int):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList([GPT2Block(config, i) for i in range(config.n_layer)])
+        self.ln_f = nn.LayerNorm(config.n_embd)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.ln_f(x)
+
+
+class TinyGPT2(nn.Module):
+    """Names as in transformers' GPT2LMHeadModel: transformer.h.{i}.attn."""
+
+    def __init__(self, config: GPT2Config | None = None):
+        super().__init__()
+        self.config = config or GPT2Config()
+        self.transformer = GPT2Model(self.config)
+        self.lm_head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.lm_head(self.transformer(idx))
+        return logits, _lm_loss(logits, targets)
+
+
+# --- a layout discovery does not know ------------------------------------------------
+
+
+class VitishAttention(nn.Module):
+    """timm-like: fused `qkv` Linear laid out [q | k | v], heads in `num_heads`."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        qkv = self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [B, H, T, D]
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class TinyViTish(nn.Module):
+    """Token model built from VitishAttention blocks: blocks.{i}.attn."""
+
+    def __init__(self, vocab_size: int = 64, dim: int = 32, num_heads: int = 4, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList()
+        for _ in range(depth):
+            block = nn.Module()
+            block.norm = nn.LayerNorm(dim)
+            block.attn = VitishAttention(dim, num_heads)
+            self.blocks.append(block)
+        self.head = nn.Linear(dim, vocab_size)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block.attn(block.norm(x))
+        logits = self.head(x)
+        return logits, _lm_loss(logits, targets)

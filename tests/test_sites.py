@@ -1,0 +1,295 @@
+"""flashwatch/sites.py: finding attention layers and their W^Q per head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from standins import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TinyViTish
+from torch import nn
+
+from examples.gpt import GPT, CausalSelfAttention, GPTConfig
+from flashwatch.sites import AttentionSite, find_sites, make_site
+
+GPT_CFG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, bias=True)
+
+
+def _gpt():
+    return GPT(GPT_CFG)
+
+
+# (factory, expected names, kind, heads, kv heads, head_dim, d_model, q_module child name,
+#  the exact W^Q slice as [H*head_dim, d_model] read straight from the weight)
+MODELS = {
+    "nanogpt": (
+        _gpt, ["transformer.h.0.attn", "transformer.h.1.attn"], "nanogpt", 4, 4, 8, 32,
+        "c_attn", lambda site: site.module.c_attn.weight[:32],
+    ),
+    "hf_llama_gqa": (
+        lambda: TinyLlama(LlamaConfig()), ["model.layers.0.self_attn", "model.layers.1.self_attn"],
+        "hf", 4, 2, 16, 32, "q_proj", lambda site: site.module.q_proj.weight,
+    ),
+    "gpt2_conv1d": (
+        lambda: TinyGPT2(GPT2Config()), ["transformer.h.0.attn", "transformer.h.1.attn"],
+        "gpt2_conv1d", 4, 4, 8, 32, "c_attn", lambda site: site.module.c_attn.weight[:, :32].T,
+    ),
+}
+
+
+def _capture_q_and_x(model, sites, monkeypatch, idx):
+    """Run the model; per site return (X at q_module's input, q as SDPA received it)."""
+    current, xs, qs = [None], {}, {}
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, **kwargs):
+        qs[current[0]] = q.detach().clone()
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    handles = []
+    for site in sites:
+        handles.append(site.module.register_forward_pre_hook(
+            lambda m, a, name=site.name: current.__setitem__(0, name)))
+        handles.append(site.q_module.register_forward_pre_hook(
+            lambda m, a, name=site.name: xs.__setitem__(name, a[0].detach().clone())))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return xs, qs
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_finds_exactly_the_attention_modules(family):
+    make, names, kind, H, Hkv, D, C, q_child, _ = MODELS[family]
+    torch.manual_seed(0)
+    model = make()
+    sites = find_sites(model)
+    assert [s.name for s in sites] == names
+    for s in sites:
+        assert s.module is model.get_submodule(s.name)
+        assert (s.kind, s.num_heads, s.num_kv_heads, s.head_dim, s.d_model) == (kind, H, Hkv, D, C)
+        assert s.q_module is getattr(s.module, q_child)
+        assert s.q_slice_of_output == (0, H * D)
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_wq_is_a_view_of_the_right_slice(family):
+    make, *_, H, _, D, C, _, raw_slice = MODELS[family]
+    torch.manual_seed(0)
+    for site in find_sites(make()):
+        w, raw = site.wq(), raw_slice(site)
+        assert w.shape == (H, D, C)
+        assert not w.requires_grad
+        torch.testing.assert_close(w, raw.reshape(H, D, C), rtol=0, atol=0)
+        # No copy: the view shares the parameter's storage.
+        assert w.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_wq_reproduces_the_q_that_attention_receives(family, monkeypatch):
+    """The orientation is the point: q at the SDPA call == X W^Q_h^T + b_h for every head."""
+    make, *_ = MODELS[family]
+    torch.manual_seed(0)
+    model = make()
+    for p in model.parameters():  # biases start at zero in some models; make them count
+        if p.dim() == 1:
+            nn.init.normal_(p, std=0.5)
+    sites = find_sites(model)
+    idx = torch.randint(0, 64, (2, 7))
+    xs, qs = _capture_q_and_x(model, sites, monkeypatch, idx)
+    for site in sites:
+        start, stop = site.q_slice_of_output
+        bias = getattr(site.q_module, "bias", None)
+        b = torch.zeros(stop - start) if bias is None else bias.detach()[start:stop]
+        want = torch.einsum("btc,hdc->bhtd", xs[site.name], site.wq())
+        want = want + b.view(site.num_heads, 1, site.head_dim)
+        torch.testing.assert_close(qs[site.name], want, rtol=1e-5, atol=1e-5)
+
+
+def test_wq_follows_optimizer_steps():
+    torch.manual_seed(0)
+    model = _gpt()
+    site = find_sites(model)[0]
+    before = site.wq().clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 64, (2, 8))
+    _, loss = model(idx, idx)
+    loss.backward()
+    opt.step()
+    after = site.wq()
+    assert (after - before).abs().max() > 1e-3  # AdamW moves every weight by ~lr
+    torch.testing.assert_close(after, site.module.c_attn.weight[:32].view(4, 8, 32),
+                               rtol=0, atol=0)
+
+
+def test_a_module_inside_a_site_is_not_a_second_site():
+    outer = CausalSelfAttention(GPT_CFG)
+    outer.inner = CausalSelfAttention(GPT_CFG)  # would match on its own
+    sites = find_sites(nn.ModuleDict({"attn": outer}))
+    assert [s.name for s in sites] == ["attn"]
+    # The root itself may be the attention module.
+    assert [s.name for s in find_sites(TinyLlama().model.layers[0].self_attn)] == [""]
+
+
+def test_discovery_leaves_the_global_rng_alone():
+    model = _gpt()
+    state = torch.get_rng_state()
+    find_sites(model)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_orientation_check_passes_in_bf16():
+    torch.manual_seed(0)
+    sites = find_sites(_gpt().to(torch.bfloat16))
+    assert sites[0].wq().dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_orientation_check_rejects_a_transposed_linear_weight(dtype):
+    torch.manual_seed(0)
+    model = _gpt().to(dtype)
+    c_attn = model.transformer.h[0].attn.c_attn
+    with pytest.raises(RuntimeError, match=r"transformer\.h\.0\.attn.*transposed"):
+        find_sites(model, sites={"transformer.h.0.attn": dict(
+            num_heads=4, q_module=c_attn, wq=lambda: c_attn.weight[:32].T)})
+
+
+def test_orientation_check_rejects_conv1d_read_like_linear():
+    torch.manual_seed(0)
+    model = TinyGPT2()
+    c_attn = model.transformer.h[1].attn.c_attn
+    # The classic mistake: Conv1D stores [in, out], so [:, :C] without .T is W^Q transposed.
+    with pytest.raises(RuntimeError, match=r"transformer\.h\.1\.attn"):
+        find_sites(model, sites={"transformer.h.1.attn": dict(
+            num_heads=4, q_module="c_attn", wq=lambda: c_attn.weight[:, :32])})
+
+
+def test_orientation_check_rejects_the_wrong_slice():
+    torch.manual_seed(0)
+    model = _gpt()
+    with pytest.raises(RuntimeError, match="q_slice_of_output"):
+        # Channels [C, 2C) are K, but W^Q is read from rows [0, C).
+        find_sites(model, sites={"transformer.h.0.attn": dict(
+            num_heads=4, q_module="c_attn", q_slice_of_output=(32, 64),
+            wq=lambda: model.transformer.h[0].attn.c_attn.weight[:32])})
+
+
+def test_explicit_sites_as_dict(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyViTish()
+    spec = dict(num_heads=4, q_module="qkv")  # fused [q | k | v]: Q is the first 32 channels
+    sites = find_sites(model, sites={"blocks.0.attn": spec, "blocks.1.attn": spec})
+    assert [(s.name, s.kind, s.num_heads, s.num_kv_heads, s.head_dim, s.d_model)
+            for s in sites] == [("blocks.0.attn", "explicit", 4, 4, 8, 32),
+                                ("blocks.1.attn", "explicit", 4, 4, 8, 32)]
+    assert sites[0].q_module is model.blocks[0].attn.qkv
+    xs, qs = _capture_q_and_x(model, sites, monkeypatch, torch.randint(0, 64, (1, 5)))
+    for site in sites:
+        b = site.q_module.bias.detach()[:32].view(4, 1, 8)
+        want = torch.einsum("btc,hdc->bhtd", xs[site.name], site.wq()) + b
+        torch.testing.assert_close(qs[site.name], want, rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_sites_as_list_and_explicit_wq():
+    torch.manual_seed(0)
+    model = TinyViTish()
+    qkv = model.blocks[1].attn.qkv
+    sites = find_sites(model, sites=[
+        make_site(model, "blocks.0.attn", num_heads=4, q_module="blocks.0.attn.qkv"),
+        make_site(model, "blocks.1.attn", num_heads=2, head_dim=16, q_module=qkv,
+                  wq=lambda: qkv.weight[:32].view(2, 16, 32)),
+    ])
+    assert [s.num_heads for s in sites] == [4, 2]
+    assert sites[1].wq().shape == (2, 16, 32)
+    # Without a q_module there is no X and nothing to check, but W^Q is still known.
+    site = make_site(model, "blocks.0.attn", num_heads=4, wq=model.blocks[0].attn.qkv.weight[:32])
+    assert site.q_module is None and site.q_slice_of_output is None
+    assert find_sites(model, sites=[site])[0].wq().shape == (4, 8, 32)
+
+
+def test_nothing_found_says_what_was_looked_for_and_how_to_pass_sites():
+    with pytest.raises(ValueError) as err:
+        find_sites(TinyViTish())
+    msg = str(err.value)
+    for words in ["c_attn", "q_proj", "k_proj", "v_proj", "Conv1D", "n_head",
+                  "num_attention_heads", "sites=", "q_module"]:
+        assert words in msg, words
+
+
+def test_near_misses_are_named():
+    model = nn.Module()
+    model.attn = nn.Module()
+    model.attn.c_attn = nn.Linear(8, 16)  # not 3 * 8
+    model.attn.n_head = 2
+    with pytest.raises(ValueError, match=r"'attn'.*8 -> 16"):
+        find_sites(model)
+
+
+def test_projections_without_a_head_count_are_an_error():
+    attn = nn.Module()
+    attn.q_proj, attn.k_proj, attn.v_proj = (nn.Linear(8, 8) for _ in range(3))
+    with pytest.raises(ValueError, match=r"no head count.*num_heads.*sites="):
+        find_sites(nn.ModuleDict({"attn": attn}))
+
+
+BAD_SPECS = [
+    # (sites, exception, words the message must contain)
+    ({"blocks.9.attn": dict(num_heads=4, q_module="qkv")}, ValueError, ["blocks.9.attn"]),
+    ({"blocks.0.attn": dict(num_heads=4, q_module="nope")}, ValueError, ["nope", "qkv"]),
+    ({"blocks.0.attn": dict(num_heads=4, q="qkv")}, ValueError, ["'q'", "q_module"]),
+    ({"blocks.0.attn": dict(num_heads=3, q_module="qkv")}, ValueError, ["32", "head_dim"]),
+    ({"blocks.0.attn": dict(num_heads=4, q_module="qkv", q_slice_of_output=(0, 16))},
+     ValueError, ["(0, 16)", "32"]),
+    ({"blocks.0.attn": dict(num_heads=4, num_kv_heads=3, q_module="qkv")}, ValueError,
+     ["num_kv_heads=3"]),
+    ({"blocks.0.attn": dict(num_heads=4, q_module="blocks.0.norm")}, ValueError,
+     ["LayerNorm", "wq="]),
+    ({"blocks.0": dict(num_heads=4, q_module="attn.qkv"),
+      "blocks.0.attn": dict(num_heads=4, q_module="qkv")}, ValueError, ["overlap"]),
+    ({"blocks.0.attn": dict(num_heads=0, q_module="qkv")}, ValueError, ["num_heads", "0"]),
+    ({"blocks.0.attn": dict(num_heads=4, q_module="qkv", wq="w")}, TypeError, ["wq", "str"]),
+    ({"blocks.0.attn": 4}, TypeError, ["sites['blocks.0.attn']", "dict"]),
+    (["blocks.0.attn"], TypeError, ["sites[0]", "AttentionSite"]),
+    ("blocks.0.attn", TypeError, ["sites", "str"]),
+    ({}, ValueError, ["empty"]),
+]
+
+
+@pytest.mark.parametrize("sites,exc,words", BAD_SPECS)
+def test_bad_explicit_sites_are_explained(sites, exc, words):
+    model = TinyViTish()
+    with pytest.raises(exc) as err:
+        find_sites(model, sites=sites)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_a_listed_site_must_belong_to_the_model():
+    site = find_sites(TinyViTish(), sites={"blocks.0.attn": dict(num_heads=4, q_module="qkv")})[0]
+    with pytest.raises(ValueError, match="not site.module"):
+        find_sites(TinyViTish(), sites=[site])
+    with pytest.raises(TypeError, match="nn.Module"):
+        find_sites("model")
+    with pytest.raises(ValueError, match="num_heads"):
+        AttentionSite(name="x", module=nn.Linear(2, 2), num_heads=0, num_kv_heads=1,
+                      head_dim=1, d_model=2, q_module=None, kind="explicit",
+                      q_slice_of_output=None, wq_source=lambda: torch.zeros(1, 1, 2))
+
+
+def test_discovery_inside_autocast_checks_in_the_weights_dtype():
+    torch.manual_seed(0)
+    model = TinyGPT2()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sites = find_sites(model)
+    assert sites[0].wq().dtype == torch.float32
+
+
+def test_a_wq_of_the_wrong_width_is_named():
+    torch.manual_seed(0)
+    model = TinyViTish()
+    with pytest.raises(RuntimeError, match=r"'blocks.0.attn'.*\[1, 2, 16\].*d_model"):
+        find_sites(model, sites={"blocks.0.attn": dict(
+            num_heads=4, q_module="qkv", wq=torch.zeros(4, 4, 16))})

@@ -1,0 +1,107 @@
+"""flashwatch/spectral.py: batched warm-started power iteration vs matrix_norm(ord=2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashwatch.spectral import power_iteration
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny batched matmuls: 1 thread is faster than 2 on a loaded 2-core machine.
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _exact(W):
+    return torch.linalg.matrix_norm(W.double(), ord=2)
+
+
+def _rel(a, b):
+    return ((a.double() - b) / b).abs().max().item()
+
+
+def _low_rank_plus_noise(H, a, b, rank=3, noise=0.05, seed=0):
+    # What trained W^Q look like: a few strong directions over a noise floor.
+    g = torch.Generator().manual_seed(seed)
+    L = torch.randn(H, a, rank, generator=g) @ torch.randn(H, rank, b, generator=g) / math.sqrt(b)
+    return L + noise * torch.randn(H, a, b, generator=g)
+
+
+@pytest.mark.parametrize("shape", [(6, 64, 256), (4, 256, 64), (3, 8, 8), (2, 1, 5)])
+def test_cold_start_gaussian_matches_matrix_norm(shape):
+    # Gaussian matrices have no spectral gap: the hardest case for power iteration.
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    sigma, v = power_iteration(W, None)
+    assert sigma.shape == (shape[0],) and v.shape == (shape[0], shape[2])
+    assert _rel(sigma, _exact(W)) < 1e-3
+    assert torch.allclose(v.norm(dim=1), torch.ones(shape[0]), atol=1e-5)
+
+
+def test_cold_start_trained_looking_matches_matrix_norm():
+    W = _low_rank_plus_noise(12, 64, 768)
+    sigma, _ = power_iteration(W, None)
+    assert _rel(sigma, _exact(W)) < 1e-3
+
+
+def test_warm_start_tracks_a_slowly_changing_matrix():
+    # 20 "optimizer steps" of small updates, 4 warm iterations each (the default cadence).
+    g = torch.Generator().manual_seed(2)
+    W = _low_rank_plus_noise(8, 64, 256, seed=3)
+    _, v = power_iteration(W, None)
+    for _ in range(20):
+        W = W + 0.01 * torch.randn(W.shape, generator=g) / 16
+        sigma, v = power_iteration(W, v, iters=4)
+        assert _rel(sigma, _exact(W)) < 1e-3
+
+
+def test_low_precision_and_float64_inputs():
+    W = _low_rank_plus_noise(4, 32, 128, seed=4)
+    s16, v16 = power_iteration(W.bfloat16(), None)
+    assert s16.dtype == torch.float32 and v16.dtype == torch.float32
+    assert _rel(s16, _exact(W.bfloat16())) < 1e-3
+    s64, _ = power_iteration(W.double(), None)
+    assert s64.dtype == torch.float64
+    assert _rel(s64, _exact(W)) < 1e-6
+
+
+def test_zero_and_non_finite_heads():
+    W = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(5))
+    W[1] = 0.0
+    W[2, 3, 4] = float("nan")
+    sigma, v = power_iteration(W, None)
+    assert sigma[1] == 0 and math.isnan(sigma[2])
+    assert torch.isfinite(v).all(), "a NaN vector would poison every later warm start"
+    assert _rel(sigma[[0, 3]], _exact(W[[0, 3]])) < 1e-3
+    # Once the weights are finite again, the warm start recovers.
+    W[2] = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    sigma, _ = power_iteration(W, v, iters=300)
+    assert _rel(sigma[2:3], _exact(W[2:3])) < 1e-3
+
+
+def test_deterministic():
+    W = torch.randn(3, 20, 30, generator=torch.Generator().manual_seed(7))
+    a, va = power_iteration(W, None)
+    b, vb = power_iteration(W, None)
+    assert torch.equal(a, b) and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda: power_iteration(torch.randn(4, 5)), ValueError, ["W", "[H, a, b]"]),
+    (lambda: power_iteration([[1.0]]), TypeError, ["W", "torch.Tensor"]),
+    (lambda: power_iteration(torch.ones(2, 3, 4, dtype=torch.int64)), TypeError, ["W", "float"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), torch.randn(2, 3)), ValueError, ["v", "[2, 4]"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), None, iters=0), ValueError, ["iters"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), None, tol=-1.0), ValueError, ["tol"]),
+])
+def test_bad_arguments_are_named(call, exc, words):
+    with pytest.raises(exc) as info:
+        call()
+    for w in words:
+        assert w in str(info.value)

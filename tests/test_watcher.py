@@ -1,0 +1,484 @@
+"""flashwatch/watcher.py: attach, measure, mitigate, resume, distribute, never crash."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flashwatch as fw
+from examples.gpt import GPT, GPTConfig
+from flashwatch import Mode
+from flashwatch import dispatch as fw_dispatch
+from oracle import math_attention
+
+SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def _batch(g, B=4, T=32, vocab=64):
+    idx = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _train(model, watcher, steps, *, seed=0, accum=1, lr=3e-3, autocast=True):
+    """AdamW training loop on seeded random tokens; returns the non-None reports."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    reports = []
+    for _ in range(steps):
+        for _ in range(accum):
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, loss = model(x, y)
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        r = watcher.step()
+        if r is not None:
+            reports.append(r)
+    return reports, opt
+
+
+def _comparable(report):
+    d = report.to_dict()
+    d.pop("monitor_seconds")
+    return d
+
+
+# ---------------------------------------------------------------------------- basics
+
+
+def test_gpt_bf16_training_reports_every_head_with_finite_metrics():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    with fw.watch(model, every_n_steps=2) as w:
+        reports, _ = _train(model, w, 6)
+    assert [r.step for r in reports] == [0, 2, 4]
+    for r in reports:
+        assert [(h.layer, h.head) for h in r.heads] == [
+            (f"transformer.h.{i}.attn", h) for i in range(2) for h in range(4)]
+        for h in r.heads:
+            for name in ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
+                         "r_projection_cumulative", "delta_drift_z", "delta_coherence",
+                         "wq_spectral_norm"):
+                assert math.isfinite(getattr(h, name)), (name, h)
+            assert h.head_mode == Mode.STANDARD
+    # the bf16 SDPA output really differs from its FP32 recomputation
+    assert any(h.delta_error_sum != 0.0 for r in reports for h in r.heads)
+    assert w.monitor_errors_total == 0
+
+
+def test_spectral_norm_in_reports_equals_matrix_norm():
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1)
+    g = torch.Generator().manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(3):
+        x, y = _batch(g)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        r = w.step()
+        for site in w.sites:
+            exact = torch.linalg.matrix_norm(site.wq().double(), ord=2)
+            got = torch.tensor([h.wq_spectral_norm for h in r.heads if h.layer == site.name],
+                               dtype=torch.float64)
+            assert torch.allclose(got, exact, rtol=1e-3), (site.name, got, exact)
+    w.remove()
+
+
+def test_delta_error_sum_equals_fp64_over_all_rows():
+    # rows_per_head ≥ B·T samples every row, so the report's Σ c[T] is the whole layer's.
+    torch.manual_seed(2)
+    cfg = GPTConfig(**SMALL)
+    model = GPT(cfg).to(torch.bfloat16)
+    attn = model.transformer.h[0].attn
+    g = torch.Generator().manual_seed(2)
+    x, y = _batch(g)
+    captured = {}
+
+    def keep(module, args, out):
+        captured["x"] = args[0]
+
+    handle = attn.register_forward_hook(keep)
+    w = fw.watch(model, rows_per_head=4 * 32)
+    _, loss = model(x, y)
+    (1024 * loss).backward()  # a power of 2: dO large enough to see c, rounding unchanged
+    report = w.step()
+    w.remove()
+    handle.remove()
+    # Recompute layer 0's attention outside the model, exactly as the module does, to get
+    # O_used (the bf16 kernel output) and dO, then c in FP64.
+    X = captured["x"].detach()
+    B, T, C = X.shape
+    q, k, v = attn.c_attn(X).split(C, dim=2)
+    q, k, v = (t.view(B, T, 4, C // 4).transpose(1, 2) for t in (q, k, v))
+    o_used = F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
+    o = o_used.clone().requires_grad_(True)
+    out = attn.c_proj(o.transpose(1, 2).reshape(B, T, C))
+    # dO for layer 0 flows back from the loss through the rest of the network; the
+    # watcher saw exactly that gradient, so rerun the model with a hook to fetch it.
+    grads = {}
+
+    def grab(module, args, output):
+        output.register_hook(lambda gr: grads.__setitem__("dy", gr))
+
+    h2 = attn.c_proj.register_forward_hook(grab)
+    model.zero_grad()
+    (1024 * model(x, y)[1]).backward()
+    h2.remove()
+    # c_proj's output gradient dy → dO = dy @ W_proj, reshaped to heads
+    dO = (grads["dy"].double() @ attn.c_proj.weight.double()).view(B, T, 4, C // 4)
+    dO = dO.transpose(1, 2)
+    o64 = math_attention(q, k, v, causal=True, scale=(C // 4) ** -0.5, dtype=torch.float64)
+    c64 = (dO * (o_used.double() - o64)).sum(-1)  # [B, H, T]
+    want = c64.sum((0, 2))
+    got = torch.tensor([h.delta_error_sum for h in report.heads
+                        if h.layer == "transformer.h.0.attn"], dtype=torch.float64)
+    assert want.abs().max() > 1e-3
+    # dO here passes through c_proj in FP64 while the model computed it in bf16: allow
+    # bf16-level relative differences in dO (2^-8), nothing more.
+    assert torch.allclose(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item()), \
+        (got, want)
+    del out
+
+
+def test_gradient_accumulation_gives_one_monitor_step_with_all_micro_batches():
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(**SMALL))
+    g = torch.Generator().manual_seed(3)
+    batches = [_batch(g) for _ in range(2)]
+
+    def run(micro):
+        w = fw.watch(model, rows_per_head=4 * 32, route_all=True)
+        for x, y in micro:
+            model(x, y)[1].backward()
+        model.zero_grad()
+        r = w.step()
+        w.remove()
+        return r
+
+    both = run(batches)
+    a, b = run(batches[:1]), run(batches[1:])
+    for hb, ha, hbb in zip(both.heads, a.heads, b.heads, strict=True):
+        assert hb.delta_error_sum == pytest.approx(ha.delta_error_sum + hbb.delta_error_sum,
+                                                   rel=1e-9, abs=1e-12)
+        assert hb.tied_rowmax_ratio == pytest.approx(
+            (ha.tied_rowmax_ratio + hbb.tied_rowmax_ratio) / 2)
+
+
+def test_every_n_steps_skips_unmonitored_steps_entirely():
+    torch.manual_seed(4)
+    model = GPT(GPTConfig(**SMALL))
+    calls = []
+    w = fw.watch(model, every_n_steps=3, sinks=[type("S", (), {
+        "write": lambda self, r: calls.append(r.step), "close": lambda self: None})()])
+    _train(model, w, 7)
+    assert calls == [0, 3, 6]
+    assert w.step_count == 7
+
+
+def test_remove_restores_the_model_exactly():
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(**SMALL))
+    x, y = _batch(torch.Generator().manual_seed(5))
+    before = model(x, y)[0]
+    w = fw.watch(model, mitigation="auto")
+    w.set_head_modes("transformer.h.0.attn", [Mode.BETA] * 4)
+    watched = model(x, y)[0]
+    w.remove()
+    after = model(x, y)[0]
+    assert torch.equal(before, after)
+    assert watched.shape == before.shape
+    for m in model.modules():
+        assert not m._forward_pre_hooks and not m._forward_hooks
+    with pytest.raises(RuntimeError, match="removed"):
+        w.step()
+
+
+def test_nothing_to_watch_is_a_clear_error():
+    with pytest.raises(ValueError, match="sites"):
+        fw.watch(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="not both"):
+        fw.watch(GPT(GPTConfig(**SMALL)), config=fw.WatchConfig(), window=8)
+
+
+# ------------------------------------------------------------- other model layouts
+
+
+@pytest.mark.parametrize("factory", ["llama", "gpt2"])
+def test_hugging_face_shaped_models(factory):
+    import standins
+
+    torch.manual_seed(6)
+    if factory == "llama":
+        model = standins.TinyLlama(standins.LlamaConfig())
+    else:
+        model = standins.TinyGPT2(standins.GPT2Config())
+    w = fw.watch(model, route_all=True)
+    g = torch.Generator().manual_seed(6)
+    vocab = model.config.vocab_size
+    idx = torch.randint(0, vocab, (2, 17), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    r = w.step()
+    w.remove()
+    heads = {(h.layer, h.head) for h in r.heads}
+    assert len(heads) == sum(s.num_heads for s in w.sites) and len(w.sites) >= 2
+    for h in r.heads:
+        assert math.isfinite(h.delta_error_sum) and math.isfinite(h.wq_spectral_norm)
+        assert 0.0 <= h.tied_rowmax_ratio <= 1.0
+
+
+# -------------------------------------------------------------- policy end to end
+
+
+class _FwAttention(nn.Module):
+    """nanoGPT-style layer that calls flashwatch.attention (so routing is always on)."""
+
+    def __init__(self, C=32, H=2, tie_keys=False):
+        super().__init__()
+        self.c_attn = nn.Linear(C, 3 * C)
+        self.n_head = H
+        self.tie_keys = tie_keys
+        if tie_keys:  # W^K = 0, b^K = const: every key equal, every row's scores tied
+            with torch.no_grad():
+                self.c_attn.weight[C:2 * C].zero_()
+                self.c_attn.bias[C:2 * C].fill_(0.5)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        return fw.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, T, C)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tied = _FwAttention(tie_keys=True)
+        self.plain = _FwAttention()
+
+    def forward(self, x):
+        return self.plain(x + self.tied(x))
+
+
+def _biased_kernel(monkeypatch, bias=1e-2):
+    """A kernel whose low-precision O leans positive in STANDARD and BETA heads (as a real
+    kernel's rounding can), while FP32_O heads' δ uses the FP32 O."""
+    real = fw_dispatch._dispatch
+
+    def biased(q, k, v, *, head_modes, **kw):
+        out = real(q, k, v, head_modes=head_modes, **kw)
+        lean = (head_modes != int(Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
+        return out + (bias * lean * out.detach().abs()).detach()
+
+    monkeypatch.setattr(fw_dispatch, "_dispatch", biased)
+
+
+def _drive(model, w, steps, seed=0, vary=False):
+    # Fixed input, loss = sum: dO keeps its sign, so c[T] keeps its sign: the planted
+    # persistent error of DESIGN.md §1 step 3. vary=True draws a new input every step.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 16, 32, generator=g).bfloat16()
+    model = model.bfloat16()
+    reports = []
+    for _ in range(steps):
+        if vary:
+            x = torch.randn(2, 16, 32, generator=g).bfloat16()
+        model(x).float().sum().backward()
+        model.zero_grad()
+        reports.append(w.step())
+    return reports
+
+
+def test_auto_flags_only_the_tied_layer_switches_it_and_escalates(monkeypatch):
+    _biased_kernel(monkeypatch)
+    torch.manual_seed(7)
+    model = _TwoLayers()
+    # Identical inputs give identical G each step, so z = sqrt(steps in window): it passes
+    # 4 after 17 steps, and again 17 steps after the switch resets the window.
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+                         verify_steps=8, window=32)
+    w = fw.watch(model, config=cfg)
+    reports = _drive(model, w, 45)
+    events = w.events
+    assert events, "no event"
+    assert {e.layer for e in events} == {"tied"}  # ties only there: only it is flagged
+    first = [e for e in events if e.to_mode == Mode.BETA]
+    escal = [e for e in events if e.to_mode == Mode.FP32_O]
+    assert len(first) == 2 and len(escal) == 2 and all(e.applied for e in events)
+    assert min(e.step for e in escal) > max(e.step for e in first)
+    assert w.head_modes() == {"tied": [Mode.FP32_O] * 2, "plain": [Mode.STANDARD] * 2}
+    # BETA did not stop this kernel's lean; FP32_O removed the δ error at its source.
+    last = {(h.layer, h.head): h for h in reports[-1].heads}
+    assert last[("tied", 0)].delta_error_sum == 0.0
+    assert last[("plain", 0)].delta_error_sum != 0.0
+    # every row but each sequence's first (one visible key) is tied: 15/16
+    assert reports[-1].heads[0].tied_rowmax_ratio == 15 / 16
+
+
+def test_advise_recommends_without_switching(monkeypatch):
+    _biased_kernel(monkeypatch)
+    torch.manual_seed(7)
+    model = _TwoLayers()
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation="advise", min_history=8, patience=2,
+                         window=32)
+    w = fw.watch(model, config=cfg)
+    reports = _drive(model, w, 22)
+    assert w.events and not any(e.applied for e in w.events)
+    assert w.head_modes()["tied"] == [Mode.STANDARD] * 2
+    assert [h.recommended_mode for h in reports[-1].heads[:2]] == [Mode.BETA] * 2
+
+
+def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
+    class MaskedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(32, 96)
+            self.n_head = 2
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+            mask = torch.ones(T, T, dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+    model = nn.Sequential(MaskedAttention())
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("0", [Mode.BETA, Mode.STANDARD])
+    x = torch.randn(2, 8, 32)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(3):
+            model(x).backward()
+            r = w.step()
+    warnings = [rec for rec in caplog.records if "cannot apply head modes" in rec.message]
+    assert len(warnings) == 1 and "attn_mask" in warnings[0].message
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+# ------------------------------------------------------------------- resume, ranks
+
+
+def test_resume_gives_identical_reports_and_modes(monkeypatch, tmp_path):
+    _biased_kernel(monkeypatch)
+
+    def fresh():
+        torch.manual_seed(8)
+        model = _TwoLayers().bfloat16()
+        # 8 of 32 rows sampled per step: the row-sampling RNG must resume exactly too.
+        cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+                             verify_steps=8, window=32, rows_per_head=8)
+        return model, fw.watch(model, config=cfg)
+
+    def drive(model, w, steps):
+        x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
+        out = []
+        for _ in range(steps):
+            model(x).float().sum().backward()
+            model.zero_grad()
+            out.append(w.step())
+        return [_comparable(r) for r in out]
+
+    model, w_straight = fresh()
+    straight = drive(model, w_straight, 90)
+    model, w = fresh()
+    first = drive(model, w, 35)
+    torch.save(w.state_dict(), tmp_path / "w.pt")
+    model2, w2 = fresh()  # a new process would rebuild the model and its watcher
+    w2.load_state_dict(torch.load(tmp_path / "w.pt", weights_only=False))
+    resumed = first + drive(model2, w2, 55)
+    assert resumed == straight
+    assert w2.head_modes() == w_straight.head_modes()
+    assert w2.events == w_straight.events
+    steps = [e.step for e in w_straight.events]
+    assert min(steps) < 35 < max(steps), steps  # decisions on both sides of the resume
+
+
+def test_load_state_dict_rejects_another_model():
+    w1 = fw.watch(_TwoLayers())
+    w2 = fw.watch(GPT(GPTConfig(**SMALL)))
+    with pytest.raises(ValueError, match="same model"):
+        w2.load_state_dict(w1.state_dict())
+
+
+class _Patch:
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+
+def _rank_run(rank):
+    """Rank 0: a leaning kernel and a fixed input (a persistent error). Rank 1: a plain
+    kernel and a new input each step (no persistence): alone, rank 1 never acts."""
+    if rank == 0:
+        _biased_kernel(_Patch(), bias=2e-2)
+    torch.manual_seed(7)
+    model = _TwoLayers()
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+                         verify_steps=8, window=32)
+    w = fw.watch(model, config=cfg)
+    _drive(model, w, 30, seed=rank, vary=rank == 1)
+    return w
+
+
+def _gloo_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    w = _rank_run(rank)
+    torch.save({"modes": w.head_modes(), "events": [e.to_dict() for e in w.events]},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_end_with_identical_modes(tmp_path):
+    import torch.multiprocessing as mp
+
+    alone = _rank_run(1)  # the control: rank 1's own numbers never trigger a switch
+    assert alone.events == []
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert r0 == r1
+    assert r0["modes"]["tied"] != [Mode.STANDARD] * 2  # the reduced numbers moved both
+
+
+# ------------------------------------------------------------------------ isolation
+
+
+def test_a_raising_sink_or_probe_never_stops_training(monkeypatch, caplog):
+    class Broken:
+        def write(self, report):
+            raise OSError("disk full")
+
+        def close(self):
+            pass
+
+    torch.manual_seed(9)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1, sinks=[Broken()])
+    with caplog.at_level(logging.ERROR, logger="flashwatch"):
+        reports, _ = _train(model, w, 3)
+        assert len(reports) == 3 and w.monitor_errors_total == 3
+        from flashwatch import probe
+
+        def boom(*a, **k):
+            raise RuntimeError("odd input")
+
+        monkeypatch.setattr(probe, "recompute", boom)
+        more, _ = _train(model, w, 2)
+    assert len(more) == 2
+    assert w.monitor_errors_total == 3 + 2 + 2 * 2  # 5 sink writes, 2 layers × 2 probes
+    logged = [r for r in caplog.records if r.name == "flashwatch"]
+    assert len(logged) == 3  # once for the sink, once per layer's probe
+    assert reports[-1].monitor_errors_total == 3
