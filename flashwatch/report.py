@@ -78,12 +78,15 @@ class StepReport:
     events: list[Event] = field(default_factory=list)
     monitor_seconds: float = 0.0  # wall time flashwatch spent on this step's monitoring
     monitor_errors_total: int = 0  # failures inside flashwatch so far (never raised)
+    # layers whose non-STANDARD modes could not be applied, and why (e.g. attn_mask)
+    unmitigable: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
             "step": self.step,
             "monitor_seconds": self.monitor_seconds,
             "monitor_errors_total": self.monitor_errors_total,
+            "unmitigable": dict(self.unmitigable),
             "heads": [h.to_dict() for h in self.heads],
             "events": [e.to_dict() for e in self.events],
         }

@@ -56,6 +56,7 @@ class _SiteState:
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     pushed: bool = False
     warned: set = field(default_factory=set)
+    unmitigable: str | None = None  # why its modes could not be applied, if so
     # accumulators of the current monitored step (reset in step())
     stats: AttentionStats | None = None
     probe_tied: torch.Tensor | None = None
@@ -344,6 +345,7 @@ class Watcher:
                 except Exception as e:
                     self._error(f"routing {st.site.name}", e)
             else:
+                st.unmitigable = reason
                 self._warn_once(st, "unmitigable",
                                 f"flashwatch: cannot apply head modes to {st.site.name} "
                                 f"because {reason}; it stays on the original kernel and "
@@ -522,7 +524,10 @@ class Watcher:
                 recommended_mode=Mode(int(decision.recommended[i])),
                 flagged=bool(decision.flagged[i]),
             ))
-        return StepReport(step=step, heads=records, events=list(decision.events))
+        unmitigable = {st.site.name: st.unmitigable for st in self._states
+                       if st.unmitigable is not None and bool(st.modes.any())}
+        return StepReport(step=step, heads=records, events=list(decision.events),
+                          unmitigable=unmitigable)
 
     # ----------------------------------------------------------------------- errors
 

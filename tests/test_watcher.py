@@ -362,6 +362,7 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
             r = w.step()
     warnings = [rec for rec in caplog.records if "cannot apply head modes" in rec.message]
     assert len(warnings) == 1 and "attn_mask" in warnings[0].message
+    assert r.unmitigable == {"0": "it passes attn_mask"}
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
 
 
