@@ -24,9 +24,11 @@ Interpreter (TRITON_INTERPRET=1, how CPU CI runs these kernels): triton 3.9's
 interpreter mishandles BF16 (triton-lang/triton#11584: `tl.dot` multiplies the raw
 uint16 bit patterns, fp32→bf16 `.to()` truncates, bf16 compares are wrong). With the
 constexpr INTERPRET set, every dot runs on FP32 operands with input_precision="ieee"
-(exact products of 16-bit values, FP32 accumulation like a tensor core) and every
-fp32→bf16 rounding is the explicit integer round-to-nearest-even of `_rne_bf16`.
-FP16 casts in the interpreter go through numpy and are already RNE.
+(exact products of 16-bit values, FP32 accumulation like a tensor core), every
+fp32→bf16 rounding is the explicit integer round-to-nearest-even of `_rne_bf16_bits`,
+and bf16 values are widened and stored through bit patterns (the interpreter's own
+bf16<->fp32 casts also flush subnormals, found while testing this). FP16 casts in the
+interpreter go through numpy and are already correct. On a GPU the native path runs.
 """
 
 from __future__ import annotations
@@ -51,18 +53,37 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rne_bf16(x):
-    """fp32 -> nearest-even bf16 value, returned as an fp32 tensor holding it exactly.
+def _rne_bf16_bits(x):
+    """fp32 -> bf16 bit pattern (uint32, low 16 bits), round to nearest even.
 
     (u + 0x7FFF + lsb) >> 16 rounds the 16 dropped bits to nearest, ties to the even
-    kept bit; overflow carries into the exponent and gives ±Inf as IEEE requires. NaN
-    is passed through unchanged: the integer add would turn a NaN with a small payload
+    kept bit; a carry moves into the exponent, so overflow gives ±Inf as IEEE requires.
+    NaN maps to 0x7FC0 like torch: the integer add would turn a NaN with a small payload
     (0x7F800001) into Inf.
     """
     u = x.to(tl.uint32, bitcast=True)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
-    y = r.to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, y)
+    bits = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, bits)
+
+
+@triton.jit
+def _rne_bf16(x):
+    """fp32 -> nearest-even bf16 value, held exactly in an fp32 tensor."""
+    return (_rne_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _up(x, INTERPRET: tl.constexpr):
+    """Exact widening to fp32. The interpreter's bf16 `.to(tl.float32)` flushes bf16
+    subnormals (checked: all 254 of them go wrong), so widen the bits instead."""
+    if INTERPRET:
+        if x.dtype == tl.bfloat16:
+            u = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+            return (u << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
 
 
 @triton.jit
@@ -72,7 +93,7 @@ def _lo(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
         if DT == tl.bfloat16:
             return _rne_bf16(x)
         else:
-            return x.to(DT).to(tl.float32)
+            return x.to(DT).to(tl.float32)  # numpy's fp16 cast: RNE, subnormals right
     else:
         return x.to(DT)
 
@@ -82,8 +103,9 @@ def _to_store(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
     """Round fp32 x to DT for a store (O, dQ, dK, dV)."""
     if INTERPRET:
         if DT == tl.bfloat16:
-            # An already-rounded value passes the interpreter's truncating cast intact.
-            return _rne_bf16(x).to(DT)
+            # Build the bf16 from its bits: the interpreter's fp32->bf16 cast truncates and
+            # mangles subnormals even when the value is already a bf16 value.
+            return _rne_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         else:
             return x.to(DT)
     else:
@@ -93,7 +115,7 @@ def _to_store(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
 @triton.jit
 def _dot(a, b, INTERPRET: tl.constexpr):
     if INTERPRET:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(_up(a, INTERPRET), _up(b, INTERPRET), input_precision="ieee")
     else:
         return tl.dot(a, b)
 
@@ -276,7 +298,7 @@ def _fwd_kernel(Q, K, V, O, O32, LSE, HEADS, ST_CNT, ST_MAX,
 @triton.jit
 def _bwd_delta(O, O32, DO, DELTA, HEADS,
                stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom,
-               B, H, N_Q, D: tl.constexpr, BLOCK_M: tl.constexpr):
+               B, H, N_Q, D: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
     """δ = rowsum(dO ∘ O) in FP32; FP32_O heads use their FP32 copy of O."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -287,13 +309,14 @@ def _bwd_delta(O, O32, DO, DELTA, HEADS,
     offs_d = tl.arange(0, D)
     row_ok = offs_m < N_Q
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+                 + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = _up(do, INTERPRET)
     if slot >= 0:
         o = tl.load(O32 + ((slot * B + b) * N_Q + offs_m[:, None]) * D + offs_d[None, :],
                     mask=row_ok[:, None], other=0.0)
     else:
-        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
-                    + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+        o = _up(tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om
+                        + offs_d[None, :], mask=row_ok[:, None], other=0.0), INTERPRET)
     tl.store(DELTA + pid_bh.to(tl.int64) * N_Q + offs_m, tl.sum(do * o, 1), mask=row_ok)
 
 
@@ -621,7 +644,7 @@ def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float):
     _bwd_delta[(triton.cdiv(Nq, bm), B * H)](
         o, o32 if n32 else delta, do, delta, heads,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        B, H, Nq, D=D, BLOCK_M=bm)
+        B, H, Nq, D=D, BLOCK_M=bm, INTERPRET=INTERPRET)
     dq = torch.empty(B, H, Nq, D, dtype=q.dtype, device=dev)
     dk = torch.empty(B, H, Nk, D, dtype=q.dtype, device=dev)
     dv = torch.empty(B, H, Nk, D, dtype=q.dtype, device=dev)
