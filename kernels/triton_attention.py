@@ -497,26 +497,55 @@ _INTERP_BWD = dict(BLOCK_M=16, BLOCK_N=16)
 
 # GPU: the forward keeps BLOCK_M fixed (128) because the counter buffer is indexed by
 # query block; the backward tunes freely. Configs that do not fit shared memory are
-# dropped by the autotuner (OutOfResources).
+# dropped by the autotuner (OutOfResources). FLASHWATCH_TRITON_AUTOTUNE=0 skips tuning
+# and takes one config per head dim (the native test run uses it: tuning every test
+# shape would cost minutes of compiles).
 _FWD_BLOCK_M = 128
+AUTOTUNE = os.environ.get("FLASHWATCH_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _cfg(num_warps, num_stages, **blocks):
+    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+_FWD_CONFIGS = [_cfg(w, s, BLOCK_N=bn) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+_DKDV_CONFIGS = [_cfg(w, s, BLOCK_M=bm, BLOCK_N=bn) for bm, bn in ((32, 128), (64, 128), (64, 64))
+                 for w in (4, 8) for s in (2, 3)]
+_DQ_CONFIGS = [_cfg(w, s, BLOCK_M=bm, BLOCK_N=bn) for bm, bn in ((128, 32), (128, 64), (64, 64))
+               for w in (4, 8) for s in (2, 3)]
+
+
+def _fixed(pick):
+    """Autotuner pruning hook that keeps one config (chosen by head dim) when tuning is off."""
+    def prune(configs, named_args, **kwargs):
+        if AUTOTUNE:
+            return configs
+        d = kwargs.get("D", named_args.get("D"))
+        return [pick(configs, d)]
+    return prune
+
+
+def _pick_fwd(configs, d):  # BLOCK_N 64, 4 warps up to D=64, 8 warps at D=128; 3 stages
+    return next(c for c in configs if c.kwargs["BLOCK_N"] == 64 and c.num_stages == 3
+                and c.num_warps == (8 if d >= 128 else 4))
+
+
+def _pick_bwd(configs, d):  # the (BLOCK_M, BLOCK_N) = first pair, 8 warps at D=128
+    first = (configs[0].kwargs["BLOCK_M"], configs[0].kwargs["BLOCK_N"])
+    return next(c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) == first
+                and c.num_stages == 2 and c.num_warps == (8 if d >= 128 else 4))
+
+
 if not INTERPRET:
-    _fwd_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-                 for bn in (64, 128) for w in (4, 8) for s in (2, 3)],
-        key=["N_Q", "N_K", "D", "CAUSAL", "STATS"],
-    )(_fwd_kernel)
-    _dkdv_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-                 for bm, bn in ((32, 128), (64, 128), (64, 64)) for w in (4, 8)
-                 for s in (2, 3)],
-        key=["N_Q", "N_K", "D", "CAUSAL"],
-    )(_bwd_dkdv)
-    _dq_tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-                 for bm, bn in ((128, 32), (128, 64), (64, 64)) for w in (4, 8)
-                 for s in (2, 3)],
-        key=["N_Q", "N_K", "D", "CAUSAL"],
-    )(_bwd_dq)
+    _fwd_tuned = triton.autotune(configs=_FWD_CONFIGS, key=["N_Q", "N_K", "D", "CAUSAL", "STATS"],
+                                 prune_configs_by={"early_config_prune": _fixed(_pick_fwd)},
+                                 )(_fwd_kernel)
+    _dkdv_tuned = triton.autotune(configs=_DKDV_CONFIGS, key=["N_Q", "N_K", "D", "CAUSAL"],
+                                  prune_configs_by={"early_config_prune": _fixed(_pick_bwd)},
+                                  )(_bwd_dkdv)
+    _dq_tuned = triton.autotune(configs=_DQ_CONFIGS, key=["N_Q", "N_K", "D", "CAUSAL"],
+                                prune_configs_by={"early_config_prune": _fixed(_pick_bwd)},
+                                )(_bwd_dq)
 
 
 def check_usable(q: torch.Tensor) -> None:

@@ -27,11 +27,11 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-
-import flashwatch as fw  # noqa: E402
 from flashwatch.kernels import reference  # noqa: E402
 from flashwatch.kernels import triton_attention as ta  # noqa: E402
 from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
+
+import flashwatch as fw  # noqa: E402
 
 if ta.INTERPRET:
     DEVICE = "cpu"
@@ -88,7 +88,7 @@ def run_triton(q, k, v, do, causal, scale, modes, stats=None, **kw):
 def assert_accuracy(outs, q, k, v, do, causal, scale, floor=1e-5):
     ref = run_plain(q, k, v, do, causal, scale, torch.float64)
     pt = run_plain(q, k, v, do, causal, scale, q.dtype)
-    for name, out, r, p in zip(("o", "dq", "dk", "dv"), outs, ref, pt):
+    for name, out, r, p in zip(("o", "dq", "dk", "dv"), outs, ref, pt, strict=True):
         assert torch.isfinite(out).all(), f"{name} has non-finite values"
         err = (out.double() - r).abs().max().item()
         pt_err = (p.double() - r).abs().max().item()
@@ -368,7 +368,7 @@ def test_head_mode_change_between_calls():
     assert torch.equal(std[0][:, 2], mixed[0][:, 2])  # STANDARD head untouched
     # FP32_O (head 1) changes δ, hence dQ; going back to all-STANDARD restores it
     assert not torch.equal(std[1][:, 1], mixed[1][:, 1])
-    for a, b in zip(std, std2):
+    for a, b in zip(std, std2, strict=True):
         assert torch.equal(a, b)
 
 
@@ -433,7 +433,7 @@ def test_torch_compile_fullgraph(backend):
         out_e = step(*leaves_e, m, stats_eager)
         out_e.backward(do)
         assert torch.equal(out, out_e)
-        for a, b in zip(leaves, leaves_e):
+        for a, b in zip(leaves, leaves_e, strict=True):
             assert torch.equal(a.grad, b.grad)
         for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
             assert torch.equal(getattr(stats, name), getattr(stats_eager, name)), name
