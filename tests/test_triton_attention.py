@@ -131,20 +131,23 @@ def assert_counters(stats, q, k, causal, scale, modes):
 
 @triton.jit
 def _rne_probe(X, Y, N: tl.constexpr):
-    offs = tl.arange(0, N)
+    offs = tl.program_id(0) * N + tl.arange(0, N)
     x = tl.load(X + offs)
     tl.store(Y + offs, ta._rne_bf16(x))
 
 
 @triton.jit
 def _store_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.arange(0, N)
+    offs = tl.program_id(0) * N + tl.arange(0, N)
     tl.store(Y + offs, ta._to_store(tl.load(X + offs), Y.dtype.element_ty, INTERPRET))
+
+
+PROBE = 1024  # elements per program in the probe kernels
 
 
 @triton.jit
 def _up_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.arange(0, N)
+    offs = tl.program_id(0) * N + tl.arange(0, N)
     tl.store(Y + offs, ta._up(tl.load(X + offs), INTERPRET))
 
 
@@ -152,7 +155,7 @@ def test_bf16_widening_exact_for_every_bit_pattern():
     x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
     x = x.view(torch.bfloat16).to(DEVICE)
     y = torch.empty(x.numel(), dtype=torch.float32, device=DEVICE)
-    _up_probe[(1,)](x, y, N=x.numel(), INTERPRET=ta.INTERPRET)
+    _up_probe[(x.numel() // PROBE,)](x, y, N=PROBE, INTERPRET=ta.INTERPRET)
     want = x.float()
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(y), nan)
@@ -185,7 +188,7 @@ def test_rne_bf16_matches_torch_rounding():
     n = triton.next_power_of_2(x.numel())
     x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEVICE)
     y = torch.empty_like(x)
-    _rne_probe[(1,)](x, y, N=n)
+    _rne_probe[(n // PROBE,)](x, y, N=PROBE)
     want = x.to(torch.bfloat16)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(y), nan), "NaN must stay NaN (never become ±Inf)"
@@ -195,7 +198,7 @@ def test_rne_bf16_matches_torch_rounding():
     assert torch.signbit(y[x == 0]).tolist() == torch.signbit(x[x == 0]).tolist()  # -0 kept
     # the store path (what O, dQ, dK, dV go through) gives the same bits
     z = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
-    _store_probe[(1,)](x, z, N=n, INTERPRET=ta.INTERPRET)
+    _store_probe[(n // PROBE,)](x, z, N=PROBE, INTERPRET=ta.INTERPRET)
     assert torch.equal(_bf16_bits(z[~nan]), _bf16_bits(want[~nan]))
     assert torch.isnan(z[nan]).all()
 
@@ -344,6 +347,9 @@ def test_head_mode_change_between_calls():
     v = torch.randn(k.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
     do = torch.randn(q.shape, generator=gen).to(torch.bfloat16).to(DEVICE)
     results = {}
+    # Same 16-key blocking as the interpreter kernels: agreement to 1 ulp (bf16 2^-7 of
+    # max|O|). Compiled kernels use other blocks, so BETA shifts move at other keys.
+    ulps = 1 if ta.INTERPRET else 4
     for modes in ([0, 0, 0], [1, 2, 0], [0, 0, 0]):
         stats = fw.AttentionStats.zeros(3)
         outs = run_triton(q, k, v, do, False, scale, modes, stats=stats)
@@ -352,13 +358,14 @@ def test_head_mode_change_between_calls():
         res = reference.forward(q, k, v, causal=False, scale=scale,
                                 modes=torch.tensor(modes, dtype=torch.int32), beta=2.0,
                                 eps=1e-3, block_n=16)
-        assert (outs[0].float() - res.o.float()).abs().max() <= 2.0 ** -7 * res.o.abs().max()
+        assert (outs[0].float() - res.o.float()).abs().max() <= (
+            ulps * 2.0 ** -7 * res.o.abs().max())
         dq_ref, _, _, _ = reference.backward(do, q, k, v, res.o, res.o32, res.lse,
                                              causal=False, scale=scale,
                                              modes=torch.tensor(modes, dtype=torch.int32),
                                              block_n=16)
         assert (outs[1].float() - dq_ref.float()).abs().max() <= (
-            2.0 ** -6 * dq_ref.abs().max())
+            ulps * 2.0 ** -6 * dq_ref.abs().max())
     (std, std_stats), (std2, _) = results[(0, 0, 0)]
     (mixed, mixed_stats), = results[(1, 2, 0)]
     assert std_stats.guarded_rows.tolist() == [0, 0, 0]
