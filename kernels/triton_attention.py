@@ -322,7 +322,7 @@ def _bwd_delta(O, O32, DO, DELTA, HEADS,
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
-                offs_n, offs_d, lo, hi, N_Q, sm_scale, BLOCK_M: tl.constexpr,
+                offs_n, offs_d, lo, hi, N_Q, N_K, sm_scale, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = q_base.dtype.element_ty
     for start_m in range(lo, hi, BLOCK_M):
@@ -343,7 +343,9 @@ def _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, 
         # Transposed tile (keys × queries) so dK, dV accumulate without transposes.
         sT = _dot(k, tl.trans(q), INTERPRET) * sm_scale
         if MASKED:
-            vis = qmask[None, :]
+            # Padding keys too: their S = 0 would give exp(-lse), which overflows when
+            # lse < -88 (logits around -1000) and leaves Inf/NaN in unstored rows.
+            vis = qmask[None, :] & (offs_n < N_K)[:, None]
             if CAUSAL:
                 vis = vis & (offs_m[None, :] >= offs_n[:, None])
             sT = tl.where(vis, sT, float("-inf"))
@@ -385,24 +387,27 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, sm_scale,
     delta_base = DELTA + pid_bh.to(tl.int64) * N_Q
 
     # Query blocks: [lo, a_end) straddle the causal diagonal (masked), [a_end, b_end) see
-    # this whole key block (no mask), [b_end, N_Q) is the ragged end of Q (masked).
-    # Padding key rows (≥ N_K) only feed dK/dV rows that are never stored.
+    # this whole key block (no mask), [b_end, N_Q) is the ragged end of Q (masked). The
+    # ragged last key block is masked throughout.
     if CAUSAL:
         lo = (n0 // BLOCK_M) * BLOCK_M
         full_start = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
     else:
         lo = 0
         full_start = 0
-    a_end = tl.minimum(full_start, N_Q)
+    if n0 + BLOCK_N > N_K:
+        a_end = N_Q
+    else:
+        a_end = tl.minimum(full_start, N_Q)
     b_end = tl.maximum(a_end, (N_Q // BLOCK_M) * BLOCK_M)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-                         stride_dom, offs_n, offs_d, lo, a_end, N_Q, sm_scale,
+                         stride_dom, offs_n, offs_d, lo, a_end, N_Q, N_K, sm_scale,
                          BLOCK_M, True, CAUSAL, INTERPRET)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-                         stride_dom, offs_n, offs_d, a_end, b_end, N_Q, sm_scale,
+                         stride_dom, offs_n, offs_d, a_end, b_end, N_Q, N_K, sm_scale,
                          BLOCK_M, False, CAUSAL, INTERPRET)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm,
-                         stride_dom, offs_n, offs_d, b_end, N_Q, N_Q, sm_scale,
+                         stride_dom, offs_n, offs_d, b_end, N_Q, N_Q, N_K, sm_scale,
                          BLOCK_M, True, CAUSAL, INTERPRET)
     # dK, dV are written [B, H, N_K, D] contiguous.
     out = pid_bh.to(tl.int64) * N_K * D + offs_n[:, None] * D + offs_d[None, :]
