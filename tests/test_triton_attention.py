@@ -445,3 +445,38 @@ def test_torch_compile_fullgraph(backend):
         for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
             assert torch.equal(getattr(stats, name), getattr(stats_eager, name)), name
     assert counter.frame_count == 1, "a head-mode change must not recompile"
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # numpy inside the interpreter
+def test_nan_input_row_matches_reference():
+    gen = torch.Generator().manual_seed(12)
+    q = quantized(1, 3, NQ, 16, gen=gen, dtype=torch.bfloat16)
+    k = quantized(1, 3, NK, 16, gen=gen, dtype=torch.bfloat16)
+    v = torch.randn(1, 3, NK, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q[0, 1, 5, 3] = math.nan  # one query row of head 1
+    stats, ref_stats = fw.AttentionStats.zeros(3), fw.AttentionStats.zeros(3)
+    o = fw.attention(q, k, v, head_modes=ALL_MODES, stats=stats, backend="triton")
+    ref = reference.attention(q.cpu(), k.cpu(), v.cpu(), head_modes=ALL_MODES,
+                              stats=ref_stats)
+    assert torch.equal(torch.isnan(o).cpu(), torch.isnan(ref))
+    assert torch.isnan(o[0, 1, 5]).all() and not torch.isnan(o[0, 1, :5]).any()
+    for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
+        assert torch.equal(getattr(stats, name).cpu(), getattr(ref_stats, name)), name
+
+
+def test_reference_backend_through_the_op_is_the_reference():
+    gen = torch.Generator().manual_seed(13)
+    q, k, v, do = (torch.randn(2, 3, 19, 8, generator=gen) for _ in range(4))
+    for dtype in (torch.float32, torch.bfloat16):
+        args = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        args_r = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        st, st_r = fw.AttentionStats.zeros(3), fw.AttentionStats.zeros(3)
+        o = fw.attention(*args, causal=True, head_modes=[2, 1, 0], stats=st)  # auto on CPU
+        o_r = reference.attention(*args_r, causal=True, head_modes=[2, 1, 0], stats=st_r)
+        o.backward(do.to(dtype))
+        o_r.backward(do.to(dtype))
+        assert torch.equal(o, o_r)
+        for a, b in zip(args, args_r, strict=True):
+            assert torch.equal(a.grad, b.grad)
+        for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
+            assert torch.equal(getattr(st, name), getattr(st_r, name)), name
