@@ -250,6 +250,22 @@ def test_single_query_and_key(dtype):
         assert torch.equal(outs[0], v), "one key: O = V exactly"
 
 
+def test_causal_fewer_queries_than_keys():
+    # Top-left causal with Nq < Nk: keys ≥ Nq are never visible, their dK, dV are 0.
+    gen = torch.Generator().manual_seed(4)
+    nq, nk = 21, NK
+    q = quantized(1, 3, nq, 16, gen=gen, dtype=torch.bfloat16)
+    k = quantized(1, 3, nk, 16, gen=gen, dtype=torch.bfloat16)
+    k[:, :, 14:28] = k[:, :, :14]  # ties across blocks
+    v = torch.randn(1, 3, nk, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    do = torch.randn(1, 3, nq, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    stats = fw.AttentionStats.zeros(3)
+    outs = run_triton(q, k, v, do, True, 0.25, ALL_MODES, stats=stats)
+    assert_accuracy(outs, q, k, v, do, True, 0.25)
+    assert_counters(stats, q, k, True, 0.25, ALL_MODES)
+    assert not outs[2][:, :, nq:].any() and not outs[3][:, :, nq:].any()
+
+
 def test_lse_and_fp32_copy_match_reference():
     gen = torch.Generator().manual_seed(3)
     q = quantized(2, 3, NQ, 32, gen=gen, dtype=torch.bfloat16)
