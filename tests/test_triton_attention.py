@@ -250,6 +250,35 @@ def test_single_query_and_key(dtype):
         assert torch.equal(outs[0], v), "one key: O = V exactly"
 
 
+@pytest.mark.skipif(not ta.INTERPRET, reason="block sizes are autotuned when compiled")
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_rectangular_blocks(monkeypatch, block_m, block_n, causal):
+    # The GPU runs BLOCK_M != BLOCK_N (128×64 forward, 32×128 dK/dV, 128×32 dQ); the
+    # region split (unmasked / causal diagonal / ragged end) must hold for both ratios.
+    monkeypatch.setattr(ta, "_INTERP_FWD", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    monkeypatch.setattr(ta, "_INTERP_BWD", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    gen = torch.Generator().manual_seed(block_m + causal)
+    nq, nk = (70, 53) if causal else (53, 70)
+    q = quantized(1, 3, nq, 16, gen=gen, dtype=torch.bfloat16)
+    k = quantized(1, 3, nk, 16, gen=gen, dtype=torch.bfloat16)
+    k[:, :, 30:50] = k[:, :, :20]
+    v = torch.randn(1, 3, nk, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    do = torch.randn(1, 3, nq, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+    stats = fw.AttentionStats.zeros(3)
+    outs = run_triton(q, k, v, do, causal, 0.25, ALL_MODES, stats=stats)
+    assert_accuracy(outs, q, k, v, do, causal, 0.25)
+    assert_counters(stats, q, k, causal, 0.25, ALL_MODES)
+    modes = torch.tensor(ALL_MODES, dtype=torch.int32)
+    res = reference.forward(q, k, v, causal=causal, scale=0.25, modes=modes, beta=2.0,
+                            eps=1e-3, block_n=block_n)
+    assert (outs[0].float() - res.o.float()).abs().max() <= 2.0 ** -7 * res.o.abs().max()
+    dq, dk, dv, _ = reference.backward(do, q, k, v, res.o, res.o32, res.lse, causal=causal,
+                                       scale=0.25, modes=modes, block_n=block_n)
+    for got, want in zip(outs[1:], (dq, dk, dv), strict=True):
+        assert (got.float() - want.float()).abs().max() <= 2.0 ** -6 * want.abs().max()
+
+
 def test_causal_fewer_queries_than_keys():
     # Top-left causal with Nq < Nk: keys ≥ Nq are never visible, their dK, dV are 0.
     gen = torch.Generator().manual_seed(4)
