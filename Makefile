@@ -18,6 +18,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 install: $(BIN)/.installed
 
 test: install
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 lint: install
@@ -25,6 +26,7 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_reference.py
+	$(BIN)/python benchmarks/bias_lean.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

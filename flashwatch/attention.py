@@ -6,6 +6,8 @@ Both backends run through the `torch.library` op in `flashwatch.kernels.ops`, so
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
 from flashwatch.kernels import ops  # noqa: F401  (registers torch.ops.flashwatch.*)
@@ -15,6 +17,11 @@ BACKENDS = ("auto", "reference", "triton")
 # What the Triton kernels take; "auto" falls back to the reference for anything else.
 TRITON_DTYPES = (torch.bfloat16, torch.float16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
+
+# Set by a Watcher while one of its attention modules runs, so that calls to
+# flashwatch.attention inside it are attributed to that layer (and get its head modes).
+_INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("flashwatch_intercept",
+                                                            default=None)
 
 
 def _traceable_head_modes(head_modes, num_heads: int) -> torch.Tensor:
@@ -85,7 +92,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     backend: "auto" (Triton for bf16/fp16 CUDA tensors with D in 16/32/64/128, else the
       reference), "reference" (pure PyTorch, any device and dtype), or "triton"
       (bf16/fp16 only; CPU tensors need TRITON_INTERPRET=1 set before Python starts).
+
+    Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
+    stronger of the two per head) and measures the call.
     """
+    intercept = _INTERCEPT.get()
+    if intercept is not None:
+        return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
+                         beta=beta, eps=eps, stats=stats, backend=backend)
+    return _dispatch(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
+                     eps=eps, stats=stats, backend=backend)
+
+
+def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():

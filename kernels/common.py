@@ -83,7 +83,7 @@ class AttentionStats:
         self.tied_rows += tied.to(dev, torch.int64)
         self.rows += rows
         self.guarded_rows += guarded.to(dev, torch.int64)
-        self.max_logit.copy_(torch.fmax(self.max_logit, max_logit.to(dev, torch.float32)))
+        self.max_logit.copy_(torch.maximum(self.max_logit, max_logit.to(dev, torch.float32)))
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -95,7 +95,9 @@ def _check_number(name: str, value, *, greater_than: float, hint: str) -> float:
         raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r}); {hint}")
     value = float(value)
     if not math.isfinite(value) or value <= greater_than:
-        raise ValueError(f"{name} must be a finite number > {greater_than:g}, got {value!r}; {hint}")
+        raise ValueError(
+            f"{name} must be a finite number > {greater_than:g}, got {value!r}; {hint}"
+        )
     return value
 
 

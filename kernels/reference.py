@@ -95,6 +95,18 @@ def _head_mask(modes: torch.Tensor, mode: Mode, device) -> torch.Tensor:
     return (modes == int(mode)).to(device).view(1, -1, 1)
 
 
+def _finalize(acc, l, shift):
+    """O = acc/l and LSE = shift + log l, in acc's dtype.
+
+    A row whose every visible score is -inf (l = 0) gives O = 0 and LSE = +inf (so the
+    backward's P = exp(S - LSE) is 0), as SDPA's math backend does; NaN stays NaN.
+    """
+    empty = l == 0
+    o = torch.where(empty.unsqueeze(-1), torch.zeros_like(acc), acc / l.unsqueeze(-1))
+    lse = torch.where(empty, math.inf, shift.float() + torch.log(l.float()))
+    return o, lse
+
+
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                    block_n=BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
     B, H, Nq, D = q.shape
@@ -108,7 +120,9 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
-    o32 = torch.empty(B, len(fp32_idx), Nq, D, dtype=torch.float32, device=dev) if fp32_idx else None
+    o32 = None
+    if fp32_idx:
+        o32 = torch.empty(B, len(fp32_idx), Nq, D, dtype=torch.float32, device=dev)
     tied_rows = torch.zeros(H, dtype=torch.int64, device=dev)
     guarded_rows = torch.zeros(H, dtype=torch.int64, device=dev)
     max_logit = torch.full((H,), -math.inf, dtype=torch.float32, device=dev)
@@ -149,9 +163,8 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
             if debug:
                 pmax = torch.maximum(pmax * alpha, p_lo.amax(-1))
             m, shift = m_new, shift_new
-        oc = acc / l.unsqueeze(-1)
+        oc, lse[:, :, q0:q1] = _finalize(acc, l, shift)
         o[:, :, q0:q1] = oc.to(dt)
-        lse[:, :, q0:q1] = shift + torch.log(l)
         if fp32_idx:
             o32[:, :, q0:q1] = oc[:, fp32_idx]
         if debug:
@@ -218,8 +231,8 @@ def _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
             if debug:
                 pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1))
             m, shift = m_new, shift_new
-        o[:, :, q0:q1] = acc / l.unsqueeze(-1)
-        lse[:, :, q0:q1] = shift.float() + torch.log(l.float())
+        oc, lse[:, :, q0:q1] = _finalize(acc, l, shift)
+        o[:, :, q0:q1] = oc
         if debug:
             pbar_max[:, :, q0:q1] = pmax
             o_unnorm[:, :, q0:q1] = acc

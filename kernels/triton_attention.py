@@ -272,10 +272,14 @@ def _fwd_kernel(Q, K, V, O, O32, LSE, HEADS, ST_CNT, ST_MAX,
         full_end, hi, N_K, sm_scale, is_beta, beta_m1, eps, guard, min_excess,
         BLOCK_N, True, CAUSAL, STATS, INTERPRET)
 
-    o = acc / l_i[:, None]
+    # A row whose visible scores are all -inf has l = 0: O = 0 and LSE = +inf (backward
+    # P = exp(S - LSE) = 0), as the reference (and SDPA's math backend) do; NaN stays NaN.
+    empty = l_i == 0.0
+    o = tl.where(empty[:, None], 0.0, acc / l_i[:, None])
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, _to_store(o, DT, INTERPRET), mask=row_ok[:, None])
-    tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, sh_i + tl.log(l_i), mask=row_ok)
+    lse = tl.where(empty, float("inf"), sh_i + tl.log(l_i))
+    tl.store(LSE + pid_bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     if slot >= 0:
         # FP32_O head: O before rounding, [slot, b, row, d] contiguous.
         o32_ptrs = O32 + ((slot * B + b) * N_Q + offs_m[:, None]) * D + offs_d[None, :]

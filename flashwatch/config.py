@@ -1,0 +1,129 @@
+"""`WatchConfig`: every knob of the watcher, with documented defaults, in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+MITIGATIONS = ("off", "advise", "auto")
+BACKENDS = ("auto", "reference", "triton")
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Configuration of `flashwatch.watch`. Frozen; integrations build it from kwargs.
+
+    Cadence and sampling
+      every_n_steps   monitor one optimizer step in this many (the others cost nothing
+                      beyond the attention call itself). Default 10.
+      rows_per_head   query rows sampled per layer and monitored step for the δ probe;
+                      each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
+                      tiny next to the layer's N²·D·H. Default 64.
+      sketch_dim      k of the k×k sketch G_t of the W^Q gradient error. Default 8.
+      window          monitored steps in the sliding window of drift z and coherence.
+                      Default 64.
+      seed            seeds the sketch matrices and the row sampling. Default 0.
+
+    Kernel
+      eps             tie tolerance in scaled-score units (DESIGN.md §4). Default 1e-3.
+      beta            β of the BETA fix (paper: 2..8). Default 2.0.
+      backend         attention backend for routed calls: "auto" | "reference" | "triton".
+      route_all       route every watched attention call through flashwatch.attention
+                      (exact tie counters on all rows) instead of only layers with a
+                      non-STANDARD head. Default False.
+
+    Policy (DESIGN.md §6). A head is flagged when its ties are elevated
+    (tied_rowmax_ratio ≥ tie_ratio_threshold) and either its δ error persists in sign
+    (delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold) or
+    its W^Q spectral norm grew abnormally (relative growth over the window ≥
+    spectral_growth_threshold and ≥ spectral_growth_factor × the median head's growth).
+      mitigation      "off" (measure only) | "advise" (report the recommended mode) |
+                      "auto" (apply it from the next step). Default "advise".
+      tie_ratio_threshold        default 0.02 (i.i.d. Gaussian logits, N = 1024: ≈ 0.004)
+      drift_z_threshold          default 4.0 (z ≈ N(0, 1) under zero-mean errors)
+      coherence_threshold        default 0.3 (zero-mean: ≈ 1/sqrt(window) = 0.125)
+      spectral_growth_threshold  default 0.2
+      spectral_growth_factor     default 3.0
+      patience        consecutive flagged monitored steps before acting. Default 3.
+      min_history     monitored steps of history before any decision. Default 16.
+      verify_steps    monitored steps after a switch to BETA before deciding whether the
+                      drift decayed; if not, escalate to FP32_O. Default 32.
+      power_iters     warm-started power-iteration steps per monitored step for the
+                      W^Q spectral norm. Default 4.
+    """
+
+    every_n_steps: int = 10
+    rows_per_head: int = 64
+    sketch_dim: int = 8
+    window: int = 64
+    seed: int = 0
+    eps: float = 1e-3
+    beta: float = 2.0
+    backend: str = "auto"
+    route_all: bool = False
+    mitigation: str = "advise"
+    tie_ratio_threshold: float = 0.02
+    drift_z_threshold: float = 4.0
+    coherence_threshold: float = 0.3
+    spectral_growth_threshold: float = 0.2
+    spectral_growth_factor: float = 3.0
+    patience: int = 3
+    min_history: int = 16
+    verify_steps: int = 32
+    power_iters: int = 4
+
+    def __post_init__(self) -> None:
+        positive_ints = ("every_n_steps", "rows_per_head", "sketch_dim", "window", "patience",
+                         "verify_steps", "power_iters")
+        for name in positive_ints:
+            _check_int(name, getattr(self, name), minimum=1)
+        _check_int("min_history", self.min_history, minimum=0)
+        _check_int("seed", self.seed, minimum=0)
+        if self.window < 2:
+            raise ValueError(f"window must be ≥ 2 monitored steps, got {self.window}")
+        _check_float("eps", self.eps, lower=0.0)
+        _check_float("beta", self.beta, lower=1.0)
+        _check_float("tie_ratio_threshold", self.tie_ratio_threshold, lower=0.0, upper=1.0,
+                     lower_ok=True)
+        _check_float("drift_z_threshold", self.drift_z_threshold, lower=0.0)
+        _check_float("coherence_threshold", self.coherence_threshold, lower=0.0, upper=1.0)
+        _check_float("spectral_growth_threshold", self.spectral_growth_threshold, lower=0.0)
+        _check_float("spectral_growth_factor", self.spectral_growth_factor, lower=0.0)
+        if self.mitigation not in MITIGATIONS:
+            raise ValueError(f"mitigation must be one of {MITIGATIONS}, got {self.mitigation!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if not isinstance(self.route_all, bool):
+            raise TypeError(f"route_all must be a bool, got {self.route_all!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> WatchConfig:
+        """Build from keyword arguments, naming any that WatchConfig does not have."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown WatchConfig option(s) {unknown}; valid options: {sorted(known)}"
+            )
+        return cls(**kwargs)
+
+
+def _check_int(name: str, value, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
+
+
+def _check_float(name: str, value, *, lower: float, upper: float = math.inf,
+                 lower_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    too_low = value < lower if lower_ok else value <= lower
+    if not math.isfinite(value) or too_low or value > upper:
+        bound = f"{'≥' if lower_ok else '>'} {lower:g}" + (
+            f" and ≤ {upper:g}" if math.isfinite(upper) else "")
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")

@@ -1,0 +1,103 @@
+"""What one monitored step reports: `StepReport`, `HeadRecord`, `Event` (DESIGN.md §3, §5).
+
+Field names are the metric names of DESIGN.md §5; Prometheus names add `flashwatch_`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from flashwatch.kernels.common import Mode
+
+# Per-head metrics, in report order. Each is a HeadRecord field.
+HEAD_METRICS = (
+    "tied_rowmax_ratio",  # tied rows / rows (all rows when routed, sampled rows otherwise)
+    "attention_max_logit",  # largest scaled score
+    "delta_error_sum",  # Σ_T c[T] over the sampled rows of this step
+    "r_projection",  # κ_t = uᵀ G_t v, (u, v) from the running sum of past G
+    "r_projection_cumulative",  # Σ κ
+    "delta_drift_z",  # Σκ / sqrt(Σκ²) over the window
+    "delta_coherence",  # ‖Σ_W G‖_F / Σ_W ‖G‖_F
+    "wq_spectral_norm",  # largest singular value of W^Q_h
+)
+
+
+@dataclass
+class HeadRecord:
+    layer: str
+    head: int
+    tied_rowmax_ratio: float = math.nan
+    attention_max_logit: float = math.nan
+    delta_error_sum: float = math.nan
+    r_projection: float = math.nan
+    r_projection_cumulative: float = math.nan
+    delta_drift_z: float = math.nan
+    delta_coherence: float = math.nan
+    wq_spectral_norm: float = math.nan
+    head_mode: Mode = Mode.STANDARD
+    recommended_mode: Mode = Mode.STANDARD
+    flagged: bool = False
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["head_mode"] = Mode(self.head_mode).name
+        d["recommended_mode"] = Mode(self.recommended_mode).name
+        return {k: _json_float(v) for k, v in d.items()}
+
+
+@dataclass
+class Event:
+    """A mode change (applied in "auto", recommended in "advise")."""
+
+    step: int
+    layer: str
+    head: int
+    from_mode: Mode
+    to_mode: Mode
+    reason: str
+    applied: bool
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["from_mode"] = Mode(self.from_mode).name
+        d["to_mode"] = Mode(self.to_mode).name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Event:
+        return cls(step=int(d["step"]), layer=str(d["layer"]), head=int(d["head"]),
+                   from_mode=Mode[d["from_mode"]], to_mode=Mode[d["to_mode"]],
+                   reason=str(d["reason"]), applied=bool(d["applied"]))
+
+
+@dataclass
+class StepReport:
+    step: int  # optimizer step this report describes
+    heads: list[HeadRecord] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    monitor_seconds: float = 0.0  # wall time flashwatch spent on this step's monitoring
+    monitor_errors_total: int = 0  # failures inside flashwatch so far (never raised)
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "monitor_seconds": self.monitor_seconds,
+            "monitor_errors_total": self.monitor_errors_total,
+            "heads": [h.to_dict() for h in self.heads],
+            "events": [e.to_dict() for e in self.events],
+        }
+
+    def worst(self, n: int = 5, key: str = "delta_drift_z") -> list[HeadRecord]:
+        """The n heads with the largest `key` (NaN last)."""
+        def score(h: HeadRecord) -> float:
+            v = getattr(h, key)
+            return -math.inf if math.isnan(v) else v
+        return sorted(self.heads, key=score, reverse=True)[:n]
+
+
+def _json_float(v):
+    # JSON has no NaN/Inf; write them as null / strings a reader can map back.
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v

@@ -1,0 +1,37 @@
+"""flashwatch/config.py: WatchConfig defaults and validation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flashwatch import WatchConfig
+
+
+def test_defaults_are_valid_and_frozen():
+    cfg = WatchConfig()
+    assert cfg.mitigation == "advise" and cfg.every_n_steps == 10
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.window = 3
+
+
+@pytest.mark.parametrize("field,value,exc", [
+    ("every_n_steps", 0, ValueError), ("every_n_steps", 2.5, TypeError),
+    ("rows_per_head", 0, ValueError), ("sketch_dim", True, TypeError),
+    ("window", 1, ValueError), ("seed", -1, ValueError), ("eps", 0.0, ValueError),
+    ("beta", 1.0, ValueError), ("beta", float("nan"), ValueError),
+    ("mitigation", "on", ValueError), ("backend", "cuda", ValueError),
+    ("tie_ratio_threshold", 1.5, ValueError), ("coherence_threshold", 0.0, ValueError),
+    ("drift_z_threshold", "4", TypeError), ("patience", 0, ValueError),
+    ("route_all", 1, TypeError),
+])
+def test_invalid_values_name_the_field(field, value, exc):
+    with pytest.raises(exc, match=field):
+        WatchConfig(**{field: value})
+
+
+def test_from_kwargs_names_unknown_options():
+    with pytest.raises(TypeError, match="every_n_step'"):
+        WatchConfig.from_kwargs(every_n_step=5)
+    assert WatchConfig.from_kwargs(window=8).window == 8

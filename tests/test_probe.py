@@ -1,0 +1,117 @@
+"""flashwatch/probe.py: FP32 recomputation of sampled rows, c[T] and the sketch G."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashwatch import probe
+from oracle import causal_mask, grads_given_delta, math_attention
+
+
+def _rows(q, b, t):
+    return q[b, :, t]
+
+
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "float"])
+def test_recompute_matches_fp64_rows(mask_kind):
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 2, 3, 37, 16
+    q, k, v = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
+    scale = D ** -0.5
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, N, N, generator=g) > 0.3
+        mask[..., 0] = True  # every row keeps a key
+    elif mask_kind == "float":
+        mask = torch.randn(1, H, N, N, generator=g)
+    b, t = probe.sample_rows(g, B, N, 20)
+    o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=mask_kind == "causal",
+                                             scale=scale, attn_mask=mask, eps=1e-3)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if mask_kind == "causal":
+        s = s.masked_fill(causal_mask(N, N), -math.inf)
+    elif mask_kind == "bool":
+        s = s.masked_fill(~mask, -math.inf)
+    elif mask_kind == "float":
+        s = s + mask.double()
+    p = torch.softmax(s, -1)
+    assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
+    assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
+    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
+                          atol=1e-5)
+    assert tied.shape == (20, H) and tied.dtype == torch.bool
+
+
+def test_recompute_counts_planted_ties():
+    q = torch.zeros(1, 1, 4, 8)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, 6, 8)
+    k[0, 0, :, 0] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0 - 2e-3, 0.0])
+    v = torch.randn(1, 1, 6, 8)
+    b, t = torch.zeros(4, dtype=torch.long), torch.arange(4)
+    _, _, tied, _ = probe.recompute(q, k, v, b, t, causal=True, scale=1.0, eps=1e-3)
+    # row 0 sees [1]; row 1 sees [1, 3]; rows 2 and 3 see two 3.0s
+    assert tied[:, 0].tolist() == [False, False, True, True]
+
+
+def test_sample_rows_are_distinct_seeded_and_bounded():
+    b, t = probe.sample_rows(torch.Generator().manual_seed(1), 3, 10, 25)
+    pairs = set(zip(b.tolist(), t.tolist(), strict=True))
+    assert len(pairs) == 25 and all(0 <= x < 3 and 0 <= y < 10 for x, y in pairs)
+    b2, t2 = probe.sample_rows(torch.Generator().manual_seed(1), 3, 10, 25)
+    assert torch.equal(b, b2) and torch.equal(t, t2)
+    b3, _ = probe.sample_rows(torch.Generator().manual_seed(1), 2, 3, 100)
+    assert len(b3) == 6  # never more rows than exist
+
+
+def test_delta_error_equals_an_fp64_computation():
+    g = torch.Generator().manual_seed(2)
+    B, H, N, D = 2, 2, 50, 32
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(4))
+    scale = D ** -0.5
+    o_lp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o64 = math_attention(q, k, v, causal=True, scale=scale, dtype=torch.float64)
+    c64 = (do.double() * o_lp.double()).sum(-1) - (do.double() * o64).sum(-1)
+    b, t = probe.sample_rows(g, B, N, 40)
+    o32, _, _, _ = probe.recompute(q, k, v, b, t, causal=True, scale=scale, eps=1e-3)
+    c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
+    want = _rows(c64.unsqueeze(-1), b, t)[..., 0]
+    assert c.dtype == torch.float64
+    assert want.abs().max() > 1e-3  # the bf16 error is really there
+    assert torch.allclose(c, want, atol=2e-5, rtol=0)
+
+
+def test_sketch_is_the_projected_wq_gradient_error():
+    # End to end against autograd-free FP64 calculus: with q = X W_Qᵀ, the W_Q gradient
+    # error from using δ_lp instead of δ_hp is ΔW = α Σ_T c[T] PK[T] X[T]ᵀ (the paper's
+    # Eq. 2). With every row sampled, α·G must equal (Ω_aᵀ ΔW Ω_x)ᵀ.
+    g = torch.Generator().manual_seed(3)
+    B, N, C, H, D, kdim = 2, 24, 32, 2, 16, 8
+    X = torch.randn(B, N, C, generator=g).bfloat16()
+    Wq = torch.randn(H * D, C, generator=g) / C ** 0.5
+    q = (X.float() @ Wq.T).view(B, N, H, D).transpose(1, 2).bfloat16()
+    k, v, do = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
+    alpha = D ** -0.5
+    o_lp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o64 = math_attention(q, k, v, causal=True, scale=alpha, dtype=torch.float64)
+    d_lp = (do.double() * o_lp.double()).sum(-1)
+    d_hp = (do.double() * o64).sum(-1)
+    dq_lp, _ = grads_given_delta(q, k, v, do, d_lp, causal=True, scale=alpha)
+    dq_hp, _ = grads_given_delta(q, k, v, do, d_hp, causal=True, scale=alpha)
+    # q[b, h, t] = W_h X[b, t]  ⇒  dW_h = Σ_{b,t} dq[b, h, t] X[b, t]ᵀ
+    dW = torch.einsum("bhtd,btc->hdc", dq_hp - dq_lp, X.double())
+    om_x = torch.randn(C, kdim, generator=g).double()
+    om_a = torch.randn(D, kdim, generator=g).double()
+    want = torch.einsum("dk,hdc,cl->hlk", om_a, dW, om_x)  # (Ω_aᵀ ΔW_h Ω_x)ᵀ
+    b, t = probe.sample_rows(g, B, N, B * N)  # every row
+    o32, pk, _, _ = probe.recompute(q, k, v, b, t, causal=True, scale=alpha, eps=1e-3)
+    c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
+    z = X[b, t].double() @ om_x
+    y = pk.double() @ om_a
+    G = probe.sketch(c, z, y)
+    assert want.abs().max() > 1e-4
+    rel = ((alpha * G - want).abs().max() / want.abs().max()).item()
+    assert rel < 1e-3, rel
