@@ -16,9 +16,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("run without TRITON_INTERPRET=1: this compiles the native kernels")
 
 import triton  # noqa: E402
-from flashwatch.kernels import triton_attention as ta  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from flashwatch.kernels import triton_attention as ta  # noqa: E402
 
 
 def signature(fn, types, constexprs):

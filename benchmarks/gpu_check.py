@@ -136,9 +136,9 @@ def bench_shape(shape, rep_ms: int) -> dict:
 
 def check_no_recompile() -> dict:
     import torch
-    from flashwatch.kernels import triton_attention as ta
 
     import flashwatch as fw
+    from flashwatch.kernels import triton_attention as ta
 
     q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
     fw.attention(q, q, q, causal=True, head_modes=[0, 0, 0, 0], backend="triton")

@@ -96,7 +96,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call.
     """
-    intercept = _INTERCEPT.get()
+    # Dynamo cannot trace ContextVar.get (graph break), so compiled code skips the watcher
+    # hook: a torch.compile'd call runs with the head modes it was given.
+    intercept = None if torch.compiler.is_compiling() else _INTERCEPT.get()
     if intercept is not None:
         return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats, backend=backend)

@@ -27,11 +27,11 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
+
+import flashwatch as fw  # noqa: E402
 from flashwatch.kernels import reference  # noqa: E402
 from flashwatch.kernels import triton_attention as ta  # noqa: E402
 from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
-
-import flashwatch as fw  # noqa: E402
 
 if ta.INTERPRET:
     DEVICE = "cpu"
@@ -506,7 +506,9 @@ def test_nan_input_row_matches_reference():
     assert torch.equal(torch.isnan(o).cpu(), torch.isnan(ref))
     assert torch.isnan(o[0, 1, 5]).all() and not torch.isnan(o[0, 1, :5]).any()
     for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
-        assert torch.equal(getattr(stats, name).cpu(), getattr(ref_stats, name)), name
+        torch.testing.assert_close(getattr(stats, name).cpu(), getattr(ref_stats, name),
+                                   rtol=0, atol=0, equal_nan=True, msg=name)
+    assert torch.isnan(stats.max_logit[1]) and not torch.isnan(stats.max_logit[[0, 2]]).any()
 
 
 def test_reference_backend_through_the_op_is_the_reference():
@@ -525,3 +527,41 @@ def test_reference_backend_through_the_op_is_the_reference():
             assert torch.equal(a.grad, b.grad)
         for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
             assert torch.equal(getattr(st, name), getattr(st_r, name)), name
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf/nan arithmetic inside
+@pytest.mark.parametrize("where,bad", [("q", math.nan), ("q", -math.inf), ("k", math.inf),
+                                       ("k", -math.inf), ("v", math.inf)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_nonfinite_inputs_like_the_reference(where, bad, causal):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, do = (torch.randn(1, 2, 19, 16, generator=gen).to(torch.bfloat16)
+                   for _ in range(4))
+    {"q": q, "k": k, "v": v}[where][0, 0, 0 if where != "q" else 4, 3] = bad
+    # A row whose every score is -inf (l = 0): O = 0, LSE = +inf, in both backends.
+    q[0, 1, 7], k[0, 1, :, 0] = 0.0, -k[0, 1, :, 0].abs() - 1
+    q[0, 1, 7, 0] = math.inf
+    got = run_triton(*(t.to(DEVICE) for t in (q, k, v, do)), causal, 0.25, [1, 2])
+    want = run_plain_reference(q, k, v, do, causal, 0.25, [1, 2])
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+        a = a.cpu().float()
+        if causal and name != "o":
+            # The reference's backward lets a NaN LSE reach masked keys (exp(-inf - NaN) is
+            # NaN in its one 1024-row chunk); the kernel skips fully masked blocks, so its
+            # NaNs are a subset. Reported as a doubt about the reference.
+            assert not (a.isnan() & ~b.isnan() & ~b.isinf()).any(), name
+            both = torch.isfinite(a) & torch.isfinite(b)
+            assert (a[both] - b[both]).abs().max() <= 2.0 ** -6 * (1 + b[both].abs().max())
+            continue
+        assert torch.equal(a.isnan(), b.isnan()), name
+        assert torch.equal(a.isinf(), b.isinf()), name
+        fin = torch.isfinite(b)
+        assert (a[fin] - b[fin]).abs().max() <= 2.0 ** -6 * (1 + b[fin].abs().max()), name
+    assert torch.equal(got[0][0, 1, 7].cpu(), torch.zeros(16, dtype=torch.bfloat16))
+
+
+def run_plain_reference(q, k, v, do, causal, scale, modes):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = reference.attention(*leaves, causal=causal, scale=scale, head_modes=modes)
+    o.backward(do)
+    return [o.detach().float()] + [t.grad.float() for t in leaves]
