@@ -1,4 +1,8 @@
-"""`flashwatch.attention` (defined here): the public attention op and its backend dispatch."""
+"""`flashwatch.attention` (defined here): the public attention op and its dispatch.
+
+Both backends run through the `torch.library` op in `flashwatch.kernels.ops`, so
+`torch.compile(fullgraph=True)` traces a call as one opaque op with no graph break.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,70 @@ import contextvars
 
 import torch
 
-from flashwatch.kernels import reference
-from flashwatch.kernels.common import AttentionStats
+from flashwatch.kernels import ops  # noqa: F401  (registers torch.ops.flashwatch.*)
+from flashwatch.kernels.common import AttentionStats, Mode, check_inputs
 
 BACKENDS = ("auto", "reference", "triton")
+# What the Triton kernels take; "auto" falls back to the reference for anything else.
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
 
 # Set by a Watcher while one of its attention modules runs, so that calls to
 # flashwatch.attention inside it are attributed to that layer (and get its head modes).
 _INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("flashwatch_intercept",
                                                             default=None)
+
+
+def _traceable_head_modes(head_modes, num_heads: int) -> torch.Tensor:
+    """head_modes as an int32 CPU tensor [H], without reading tensor values.
+
+    Used while torch.compile traces: reading values (as `check_inputs` does to validate
+    them) would break the graph. The op checks the values when it runs.
+    """
+    if head_modes is None:
+        return torch.zeros(num_heads, dtype=torch.int32)
+    if isinstance(head_modes, torch.Tensor):
+        if head_modes.dtype.is_floating_point or head_modes.dtype == torch.bool:
+            raise TypeError(
+                f"head_modes must be an integer tensor of flashwatch.Mode values, got dtype "
+                f"{head_modes.dtype}; build it with torch.tensor([...], dtype=torch.int32)"
+            )
+        if head_modes.dim() != 1 or head_modes.shape[0] != num_heads:
+            raise ValueError(
+                f"head_modes must have shape [{num_heads}] (one flashwatch.Mode per head), "
+                f"got {list(head_modes.shape)}"
+            )
+        return head_modes.detach().to("cpu", torch.int32)
+    if len(head_modes) != num_heads:
+        raise ValueError(
+            f"head_modes has {len(head_modes)} entries but q has {num_heads} heads; pass "
+            f"one flashwatch.Mode per head"
+        )
+    return torch.tensor([int(Mode(m)) for m in head_modes], dtype=torch.int32)
+
+
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    if backend == "auto":
+        triton_ok = (q.device.type == "cuda" and q.dtype in TRITON_DTYPES
+                     and q.shape[-1] in TRITON_HEAD_DIMS)
+        return "triton" if triton_ok else "reference"
+    if backend == "triton":
+        if q.dtype not in TRITON_DTYPES:
+            raise TypeError(
+                f"backend='triton' takes bfloat16 or float16 q, k, v, got {q.dtype}; cast "
+                f"with q.to(torch.bfloat16) or use backend='reference' for float32"
+            )
+        if q.shape[-1] not in TRITON_HEAD_DIMS:
+            raise ValueError(
+                f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got "
+                f"D={q.shape[-1]}; use backend='reference' or pad D"
+            )
+        if q.device.type not in ("cuda", "cpu"):
+            raise RuntimeError(
+                f"backend='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), "
+                f"got device {q.device}; use backend='reference'"
+            )
+    return backend
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -26,16 +85,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q, k, v: [B, H, N, D], bfloat16, float16 or float32, one device.
     causal: mask key j for query i when j > i (top-left aligned, like SDPA's is_causal).
     scale: softmax scale, default 1/sqrt(D).
-    head_modes: None (all STANDARD), a sequence of `Mode` or an int tensor [H].
+    head_modes: None (all STANDARD), a sequence of `Mode` or an int tensor [H]; changing
+      it between calls recompiles nothing (the kernels read it as data).
     beta, eps: the β fix's multiplier (> 1) and tie tolerance (> 0, in scaled scores).
     stats: an `AttentionStats` that this call accumulates its per-head counters into.
-    backend: "auto" (the reference today; Triton on CUDA once available), "reference",
-      or "triton".
+    backend: "auto" (Triton for bf16/fp16 CUDA tensors with D in 16/32/64/128, else the
+      reference), "reference" (pure PyTorch, any device and dtype), or "triton"
+      (bf16/fp16 only; CPU tensors need TRITON_INTERPRET=1 set before Python starts).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call.
     """
-    intercept = _INTERCEPT.get()
+    # Dynamo cannot trace ContextVar.get (graph break), so compiled code skips the watcher
+    # hook: a torch.compile'd call runs with the head modes it was given.
+    intercept = None if torch.compiler.is_compiling() else _INTERCEPT.get()
     if intercept is not None:
         return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats, backend=backend)
@@ -46,10 +109,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "triton":
-        raise RuntimeError(
-            "backend='triton' is not available in this version of flashwatch (the Triton "
-            "kernels are not built yet); use backend='auto' or backend='reference'"
-        )
-    return reference.attention(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
-                               beta=beta, eps=eps, stats=stats)
+    if torch.compiler.is_compiling():
+        scale, _ = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=None,
+                                beta=beta, eps=eps, stats=stats)
+        modes = _traceable_head_modes(head_modes, q.shape[1])
+    else:
+        scale, modes = check_inputs(q, k, v, causal=causal, scale=scale,
+                                    head_modes=head_modes, beta=beta, eps=eps, stats=stats)
+    backend = _resolve_backend(backend, q)
+    o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
+        q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend)
+    if stats is not None:
+        stats.add_(tied, q.shape[0] * q.shape[2], guarded, max_logit.detach())
+    return o

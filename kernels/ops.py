@@ -1,0 +1,120 @@
+"""The attention op registered with torch.library, so torch.compile sees one opaque op.
+
+    torch.ops.flashwatch.attention_fwd(q, k, v, modes, causal, scale, beta, eps,
+                                       want_stats, backend)
+        -> (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H])
+    torch.ops.flashwatch.attention_bwd(do, q, k, v, o, o32, lse, modes, causal, scale,
+                                       backend) -> (dq, dk, dv)
+
+`backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
+TRITON_INTERPRET=1) or "reference" (kernels/reference.py, any device); the caller
+resolves "auto" (CUDA → Triton, CPU → reference) before calling, so one registered
+implementation serves every device. `modes` is an int tensor [H] of Mode values, read
+on the host (it normally lives on the CPU; see `flashwatch.attention`).
+
+o32 is the FP32 copy of O for the FP32_O heads, laid out [H32, B, Nq, D] in head order.
+H32 depends on the values in `modes`, so the fake implementation gives it an unbacked
+size: tracing does not specialise on the modes and changing them recompiles nothing.
+
+Only torch is imported at module level; the Triton module is imported on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .common import normalize_head_modes
+
+OP_BACKENDS = ("reference", "triton")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in OP_BACKENDS:
+        raise ValueError(f"backend must be one of {OP_BACKENDS} here, got {backend!r}")
+
+
+def _host_modes(modes: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # Value check here, not in the caller: under torch.compile the caller cannot look at
+    # tensor values without a graph break, but this runs eagerly in both cases.
+    return normalize_head_modes(modes, num_heads)
+
+
+@torch.library.custom_op("flashwatch::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor,
+                  causal: bool, scale: float, beta: float, eps: float, want_stats: bool,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_backend(backend)
+    B, H, Nq, D = q.shape
+    modes = _host_modes(modes, H)
+    if backend == "triton":
+        from . import triton_attention
+
+        return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
+                                        beta=beta, eps=eps, want_stats=want_stats)
+    res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
+                            eps=eps, want_ties=want_stats)
+    if res.o32 is None:
+        o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
+    else:
+        o32 = res.o32.permute(1, 0, 2, 3).contiguous()
+    return res.o, res.lse, o32, res.tied_rows, res.guarded_rows, res.max_logit
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, backend):
+    B, H, Nq, D = q.shape
+    n32 = torch.library.get_ctx().new_dynamic_size()
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((B, H, Nq), dtype=torch.float32),
+            q.new_empty((n32, B, Nq, D), dtype=torch.float32),
+            q.new_empty((H,), dtype=torch.int64),
+            q.new_empty((H,), dtype=torch.int64),
+            q.new_empty((H,), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashwatch::attention_bwd", mutates_args=())
+def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  o: torch.Tensor, o32: torch.Tensor, lse: torch.Tensor, modes: torch.Tensor,
+                  causal: bool, scale: float, backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_backend(backend)
+    modes = _host_modes(modes, q.shape[1])
+    if backend == "triton":
+        from . import triton_attention
+
+        return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
+                                         scale=scale)
+    o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
+    dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
+                                       scale=scale, modes=modes)
+    return dq, dk, dv
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend = inputs
+    o, lse, o32, _tied, _guarded, max_logit = output
+    # Side outputs carry no gradient; without this, copying max_logit into an
+    # AttentionStats would pull the stats tensor into the autograd graph.
+    ctx.mark_non_differentiable(lse, o32, max_logit)
+    ctx.save_for_backward(q, k, v, o, lse, o32, modes)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+
+def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
+    # Only o is differentiable; lse, o32 and the counters are side outputs.
+    q, k, v, o, lse, o32, modes = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(do.contiguous(), q, k, v, o, o32, lse, modes, ctx.causal,
+                               ctx.scale, ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
