@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
 
-.PHONY: install test lint bench clean
+.PHONY: install test demo lint bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ install: $(BIN)/.installed
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/flashwatch demo --plant 1 --out runs/demo
+	$(BIN)/flashwatch report runs/demo
 
 lint: install
 	$(BIN)/ruff check .

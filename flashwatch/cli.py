@@ -1,9 +1,11 @@
-"""The `flashwatch` command line. `demo` and `report` arrive with the watcher (issue 7)."""
+"""The `flashwatch` command line: `demo`, `report`, `info`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from pathlib import Path
 
 
 def _info(_args: argparse.Namespace) -> int:
@@ -20,8 +22,54 @@ def _info(_args: argparse.Namespace) -> int:
     print(f"flashwatch {flashwatch.__version__}")
     print(f"torch      {torch.__version__} (CUDA available: {torch.cuda.is_available()})")
     print(f"triton     {triton_version}")
-    print("backends   reference (CPU and CUDA, pure PyTorch)")
+    print("backends   reference (pure PyTorch, any device); triton (CUDA, bf16/fp16)")
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from flashwatch.demo import run_demo
+
+    out = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    summary = run_demo(steps=args.steps, seed=args.seed, out=out,
+                       port=args.port or None, mitigation=args.mitigation, every=args.every,
+                       plant=args.plant)
+    if summary["ended"] == "interrupted":
+        return 130  # the shell's code for Ctrl-C
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from flashwatch.runreport import make_report
+
+    try:
+        written = make_report(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"flashwatch report: error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535 (0 = no exporter), "
+                                         f"got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +81,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"flashwatch {flashwatch.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo", help="train a small GPT on CPU in BF16 with flashwatch switched on",
+        description="Train a small GPT (examples/gpt.py) on CPU in BF16 autocast with the "
+                    "watcher, the JSONL and console sinks and the Prometheus exporter; "
+                    "writes a run directory that `flashwatch report` reads.")
+    demo.add_argument("--steps", type=_positive, default=400, help="optimizer steps (400)")
+    demo.add_argument("--seed", type=int, default=0, help="seed for data, model, watcher")
+    demo.add_argument("--out", type=Path, default=None,
+                      help="run directory (default runs/demo-<time>)")
+    demo.add_argument("--port", type=_port, default=9400,
+                      help="Prometheus exporter port on 127.0.0.1 (9400; 0 = off)")
+    demo.add_argument("--mitigation", choices=("off", "advise", "auto"), default="auto")
+    demo.add_argument("--every", type=_positive, default=2,
+                      help="monitor one optimizer step in this many (2)")
+    demo.add_argument("--plant", type=int, default=None, metavar="LAYER",
+                      help="give LAYER a kernel whose BF16 output leans, to see the alarm, "
+                           "the switch and the escalation within minutes")
+    demo.set_defaults(func=_demo)
+
+    report = sub.add_parser(
+        "report", help="plots and a Markdown summary of a run directory",
+        description="Write ties_heatmap.png, drift.png, spectral.png, loss.png and "
+                    "report.md for a run directory holding flashwatch.jsonl.")
+    report.add_argument("run_dir", type=Path, help="directory with flashwatch.jsonl")
+    report.add_argument("--out", type=Path, default=None, help="where to write (RUN_DIR)")
+    report.set_defaults(func=_report)
+
     info = sub.add_parser("info", help="print versions and the available backends")
     info.set_defaults(func=_info)
     return parser
@@ -40,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "plant", None) is not None and not 0 <= args.plant < 4:
+        build_parser().error(f"--plant must be a layer index 0..3, got {args.plant}")
     return args.func(args)
 
 

@@ -1,0 +1,200 @@
+"""`flashwatch demo`: a small GPT trained on CPU in BF16 autocast, everything switched on.
+
+The run directory it leaves (also after Ctrl-C):
+  flashwatch.jsonl   one StepReport per monitored step (JsonlSink)
+  train.jsonl        one line per optimizer step: step, loss, seconds
+  watcher_state.pt   Watcher.state_dict(), for resuming
+  head_modes.json    the final mode of every head
+  summary.json       settings, steps done, how it ended, flagged heads and events
+`flashwatch report RUN_DIR` turns it into plots and a Markdown summary.
+
+Data: byte-level text generated from a seeded template grammar with heavy repetition
+(no download). Repeated tokens make repeated keys, so rows with tied maxima occur.
+
+--plant LAYER swaps that layer's attention kernel for one whose BF16 output leans by a
+relative 1e-2 in every head that does not keep O in FP32 (the paper's failure, made
+strong enough to see in minutes instead of thousands of GPU steps). Everything else is
+the real run: the watcher measures it, flags the layer, switches it to BETA, sees the
+drift persist (BETA does not fix this kernel) and escalates to FP32_O.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import flashwatch as fw
+from flashwatch import dispatch
+from flashwatch.sinks import ConsoleSink, JsonlSink
+
+PLANT_LEAN = 1e-2  # relative lean of the planted kernel's output
+_LEANING = contextvars.ContextVar("flashwatch_demo_leaning", default=False)
+
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "a", "big",
+         "red", "old", "and", "then", "it", "slept", "barked", "again"]
+
+
+def make_corpus(n_bytes: int, seed: int) -> torch.Tensor:
+    """Seeded sentences from a tiny grammar, as bytes (vocab 256)."""
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_bytes:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
+        s = " ".join(words) + ". " + ("again " * rng.randint(0, 3))
+        parts.append(s)
+        size += len(s)
+    return torch.tensor(list("".join(parts).encode()[:n_bytes]), dtype=torch.long)
+
+
+def _install_plant(model, layer: int):
+    """Make model.transformer.h[layer].attn call flashwatch.attention through a kernel
+    whose output leans; returns a function that undoes it."""
+    attn = model.transformer.h[layer].attn
+    real_dispatch = dispatch._dispatch
+
+    def leaning_dispatch(q, k, v, *, head_modes, **kw):
+        out = real_dispatch(q, k, v, head_modes=head_modes, **kw)
+        if not _LEANING.get():
+            return out
+        lean = (head_modes != int(fw.Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
+        return out + (PLANT_LEAN * lean * out.detach()).detach()  # |O| too large by 1 %
+
+    def forward(x):
+        B, T, C = x.shape
+        q, k, v = attn.c_attn(x).split(attn.n_embd, dim=2)
+        q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
+                   for t in (q, k, v))
+        token = _LEANING.set(True)
+        try:
+            y = fw.attention(q, k, v, causal=True)
+        finally:
+            _LEANING.reset(token)
+        return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+    dispatch._dispatch = leaning_dispatch
+    attn.forward = forward
+
+    def undo():
+        dispatch._dispatch = real_dispatch
+        del attn.forward
+    return undo
+
+
+def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: str,
+             every: int, plant: int | None = None, batch: int = 8, block: int = 64,
+             lr: float = 3e-3, print_every: int = 10, stream=None) -> dict:
+    """Train, watch, write the run directory; returns the summary dict."""
+    GPT, GPTConfig = _example_gpt()
+    stream = stream or sys.stdout
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = GPTConfig(block_size=block, vocab_size=256, n_layer=4, n_head=4, n_embd=64)
+    model = GPT(cfg)
+    if plant is not None and not 0 <= plant < cfg.n_layer:
+        raise ValueError(f"plant must be a layer index in [0, {cfg.n_layer}), got {plant}")
+    undo = _install_plant(model, plant) if plant is not None else None
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    data = make_corpus(200_000, seed)
+    gen = torch.Generator().manual_seed(seed)
+    sinks = [JsonlSink(out / "flashwatch.jsonl"), ConsoleSink(top=5, every=10, stream=stream)]
+    exporter = None
+    if port:
+        from flashwatch.integrations.prometheus import PrometheusSink
+
+        exporter = PrometheusSink(port=port)
+        sinks.append(exporter)
+    watcher = fw.watch(model, sinks=sinks, mitigation=mitigation, every_n_steps=every,
+                       seed=seed)
+    summary = {"settings": dict(steps=steps, seed=seed, mitigation=mitigation, every=every,
+                                plant=plant, batch=batch, block=block, lr=lr, port=port,
+                                model=asdict(cfg)),
+               "steps_done": 0, "ended": "running"}
+    print(f"flashwatch demo: {steps} steps, GPT {cfg.n_layer}×{cfg.n_head} heads, bf16 "
+          f"autocast on CPU, mitigation={mitigation}; run directory {out}", file=stream)
+    if plant is not None:
+        print(f"planted: layer {plant}'s kernel leans by {PLANT_LEAN:g} (relative) in its "
+              f"BF16 output; expect the watcher to flag transformer.h.{plant}.attn",
+              file=stream)
+    if exporter is not None:
+        print(f"Prometheus metrics: http://127.0.0.1:{exporter.port}/metrics", file=stream)
+    t_start = time.perf_counter()
+    try:
+        with open(out / "train.jsonl", "a", encoding="utf-8") as log:
+            for step in range(steps):
+                t0 = time.perf_counter()
+                ix = torch.randint(len(data) - block - 1, (batch,), generator=gen)
+                x = torch.stack([data[i:i + block] for i in ix])
+                y = torch.stack([data[i + 1:i + block + 1] for i in ix])
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    _, loss = model(x, y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                watcher.step()
+                dt = time.perf_counter() - t0
+                loss_v = loss.item()
+                log.write(json.dumps({"step": step, "loss": loss_v, "seconds": dt}) + "\n")
+                log.flush()
+                summary["steps_done"] = step + 1
+                if step % print_every == 0 or step == steps - 1:
+                    rate = (step + 1) / (time.perf_counter() - t_start)
+                    modes = sum(m != fw.Mode.STANDARD for ms in watcher.head_modes().values()
+                                for m in ms)
+                    print(f"step {step + 1:>5}/{steps}  loss {loss_v:.3f}  "
+                          f"{rate:.2f} steps/s  heads not STANDARD: {modes}", file=stream)
+                if not math.isfinite(loss_v):
+                    summary["ended"] = "loss not finite"
+                    break
+        if summary["ended"] == "running":
+            summary["ended"] = "completed"
+    except KeyboardInterrupt:
+        summary["ended"] = "interrupted"
+        print("\ninterrupted: writing the run directory", file=stream)
+    finally:
+        _finish(watcher, out, summary, time.perf_counter() - t_start)
+        if undo is not None:
+            undo()
+    _print_next_steps(out, exporter, stream)
+    return summary
+
+
+def _example_gpt():
+    """examples/gpt.py from the checkout this package is installed from (editable)."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "examples" / "gpt.py").is_file():
+        raise RuntimeError(f"flashwatch demo needs examples/gpt.py of a flashwatch checkout "
+                           f"(looked in {root}); run it from a clone with `make demo`")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from examples.gpt import GPT, GPTConfig
+
+    return GPT, GPTConfig
+
+
+def _finish(watcher, out: Path, summary: dict, seconds: float) -> None:
+    summary["seconds"] = seconds
+    summary["monitor_errors_total"] = watcher.monitor_errors_total
+    summary["events"] = [e.to_dict() for e in watcher.events]
+    modes = {layer: [m.name for m in ms] for layer, ms in watcher.head_modes().items()}
+    torch.save(watcher.state_dict(), out / "watcher_state.pt")
+    (out / "head_modes.json").write_text(json.dumps(modes, indent=2) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    watcher.remove()
+
+
+def _print_next_steps(out: Path, exporter, stream) -> None:
+    print(f"\nrun directory: {out}\n"
+          f"  flashwatch.jsonl, train.jsonl, watcher_state.pt, head_modes.json, summary.json\n"
+          f"plots and a summary:  flashwatch report {out}", file=stream)
+    if exporter is not None:
+        print("Prometheus: add a scrape job for 127.0.0.1:<port> (see README, Prometheus);\n"
+              "Grafana: import the dashboard from dashboards/ (see README)", file=stream)
