@@ -1,0 +1,307 @@
+"""`FlashWatchCallback`: flashwatch for PyTorch Lightning in one line (DESIGN.md §7).
+
+    from flashwatch.integrations.lightning import FlashWatchCallback
+    trainer = L.Trainer(callbacks=[FlashWatchCallback(mitigation="auto")], ...)
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from collections.abc import Iterable
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+import flashwatch
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import Mode
+from flashwatch.report import StepReport
+
+log = logging.getLogger("flashwatch")
+
+# Per-layer summaries: (report field, reduction over the layer's heads) -> "<field>_max".
+_LAYER_MAX = ("tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
+              "wq_spectral_norm")
+# Per worst head and per head (opt-in): these fields, under their own names.
+_HEAD_KEYS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
+              "r_projection_cumulative", "delta_drift_z", "delta_coherence", "wq_spectral_norm")
+
+
+class FlashWatchCallback(pl.Callback):
+    """Watches the attention layers of the LightningModule while it trains.
+
+    Keyword arguments: every field of `flashwatch.WatchConfig` with the same name,
+    type and default (every_n_steps, rows_per_head, sketch_dim, window, seed, eps, beta,
+    backend, route_all, mitigation and the policy thresholds; see its docstring), and:
+      sinks            extra flashwatch sinks (JsonlSink, ConsoleSink, ...); closed at
+                       teardown together with the watcher.
+      sites            which modules to watch, passed to `flashwatch.watch` (default:
+                       found automatically).
+      log_per_head     also log every head's metrics (keys grow with layers × heads).
+      top_k            how many worst heads (largest delta_drift_z) to log. Default 3.
+      prometheus_port  serve a Prometheus endpoint on this base port (+ LOCAL_RANK);
+                       None (default) = no endpoint. prometheus_addr (default
+                       "127.0.0.1"), prometheus_rank_zero_only, prometheus_certfile and
+                       prometheus_keyfile are passed to `PrometheusSink`.
+
+    Behaviour:
+      setup        (stage "fit") attaches a watcher to pl_module; if no attention layer is
+                   found it warns once and training runs unwatched. A checkpoint's state
+                   loaded before that is applied once the watcher exists.
+      each optimizer step: one `watcher.step()`, detected as a change of
+                   trainer.global_step at the end of a batch, so accumulate_grad_batches
+                   > 1 gives one monitor step per optimizer step, not per micro-batch.
+      validation   monitoring pauses while validation runs (sanity check included), so
+                   validation batches never enter the training step's numbers.
+      state_dict   modes, accumulators, RNG and events: `trainer.fit(ckpt_path=...)`
+                   resumes the watcher exactly.
+      teardown     removes the watcher (the model is left as it was) and closes sinks.
+      A failure inside flashwatch is logged and counted, never raised into training.
+
+    Logged keys (through `pl_module.log`, rank 0 only, at the trainer's
+    log_every_n_steps cadence; each logging step logs the newest monitored step's report
+    once; NaN values, i.e. not measured yet, are not logged):
+      flashwatch/monitor_step                  optimizer step the values describe
+      flashwatch/monitor_seconds               time flashwatch spent on that step
+      flashwatch/monitor_errors_total          failures inside flashwatch so far
+      flashwatch/mitigations_total             mode switches applied so far
+      flashwatch/heads_not_standard            heads in BETA or FP32_O, all layers
+      flashwatch/<layer>/tied_rowmax_ratio_max     max over the layer's heads
+      flashwatch/<layer>/attention_max_logit_max
+      flashwatch/<layer>/delta_drift_z_max
+      flashwatch/<layer>/delta_coherence_max
+      flashwatch/<layer>/wq_spectral_norm_max
+      flashwatch/<layer>/heads_not_standard
+      flashwatch/<layer>/heads_flagged         heads the policy flags this step
+      flashwatch/worst_<i>/<metric>            i = 1..top_k, heads by delta_drift_z
+                                               (largest first); metric in _HEAD_KEYS,
+      flashwatch/worst_<i>/layer_index         plus the head's position: layer index in
+      flashwatch/worst_<i>/head                watch order, head index
+      flashwatch/<layer>/head_<h>/<metric>     only with log_per_head=True: every metric
+      flashwatch/<layer>/head_<h>/head_mode    of _HEAD_KEYS and the mode (0, 1, 2)
+    With L watched layers that is 5 + 7·L + 9·top_k keys, per-head adds 8 per head.
+    """
+
+    def __init__(
+        self, *,
+        every_n_steps: int = 10,
+        rows_per_head: int = 64,
+        sketch_dim: int = 8,
+        window: int = 64,
+        seed: int = 0,
+        eps: float = 1e-3,
+        beta: float = 2.0,
+        backend: str = "auto",
+        route_all: bool = False,
+        mitigation: str = "advise",
+        tie_ratio_threshold: float = 0.02,
+        drift_z_threshold: float = 4.0,
+        coherence_threshold: float = 0.15,
+        spectral_growth_threshold: float = 0.2,
+        spectral_growth_factor: float = 3.0,
+        patience: int = 3,
+        min_history: int = 16,
+        verify_steps: int = 32,
+        power_iters: int = 4,
+        sinks: Iterable | None = None,
+        sites=None,
+        log_per_head: bool = False,
+        top_k: int = 3,
+        prometheus_port: int | None = None,
+        prometheus_addr: str = "127.0.0.1",
+        prometheus_rank_zero_only: bool = False,
+        prometheus_certfile: str | None = None,
+        prometheus_keyfile: str | None = None,
+        **unknown,
+    ):
+        if unknown:
+            valid = [p for p in inspect.signature(type(self).__init__).parameters
+                     if p not in ("self", "unknown")]
+            raise TypeError(f"FlashWatchCallback got unknown option(s) {sorted(unknown)}; "
+                            f"valid options: {valid}")
+        args = locals()
+        self.config = WatchConfig(**{f: args[f] for f in WatchConfig.__dataclass_fields__})
+        if not isinstance(log_per_head, bool):
+            raise TypeError(f"log_per_head must be a bool, got {log_per_head!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an int ≥ 0 (0 = no worst-head keys), got "
+                             f"{top_k!r}")
+        if prometheus_port is not None and (isinstance(prometheus_port, bool)
+                                            or not isinstance(prometheus_port, int)):
+            raise TypeError(f"prometheus_port must be an int or None, got {prometheus_port!r}")
+        self.sinks = list(sinks or [])
+        for s in self.sinks:
+            if not callable(getattr(s, "write", None)):
+                raise TypeError(f"sinks: {s!r} has no write(report) method; pass flashwatch "
+                                f"sinks such as flashwatch.sinks.JsonlSink(path)")
+        self.sites = sites
+        self.log_per_head, self.top_k = log_per_head, top_k
+        self.prometheus = None if prometheus_port is None else dict(
+            port=prometheus_port, addr=prometheus_addr, rank_zero_only=prometheus_rank_zero_only,
+            certfile=prometheus_certfile, keyfile=prometheus_keyfile)
+        self.watcher: flashwatch.Watcher | None = None
+        self._pending_state: dict | None = None  # loaded before setup, or left by teardown
+        self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
+        self._latest: StepReport | None = None  # newest report not yet logged
+        self._paused_monitoring: bool | None = None
+        self._log_failed = False  # logged once
+
+    # ---------------------------------------------------------------- Lightning hooks
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._attach(trainer, pl_module, stage)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._seen_step = trainer.global_step  # after a checkpoint restored global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._after_batch(trainer, pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._pause(True)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._pause(False)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._detach()
+
+    def state_dict(self) -> dict:
+        if self.watcher is not None:
+            return {"watcher": self.watcher.state_dict()}
+        return {} if self._pending_state is None else {"watcher": self._pending_state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._pending_state = state_dict.get("watcher")
+        if self.watcher is not None:
+            self._apply_pending()
+
+    # ------------------------------------------------------------------------ methods
+
+    def _attach(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit" or self.watcher is not None:
+            return
+        try:
+            sites = flashwatch.find_sites(pl_module, self.sites)
+        except ValueError as e:
+            if self.sites is not None:  # the user named sites and they are wrong: say so
+                raise
+            # nothing found to watch: train unwatched, say so once
+            rank_zero_warn(f"FlashWatchCallback: not watching {type(pl_module).__name__}: "
+                           f"no attention layer found ({e}). Pass sites=... to name its "
+                           f"attention modules (see flashwatch.find_sites).")
+            return
+        sinks = list(self.sinks)
+        if self.prometheus is not None:
+            from flashwatch.integrations.prometheus import PrometheusSink
+
+            # Raises on a taken port: better to stop before the first step than to train
+            # for days without the endpoint an operator expects.
+            sinks.append(PrometheusSink(**self.prometheus, local_rank=trainer.local_rank,
+                                        rank=trainer.global_rank))
+        try:
+            self.watcher = flashwatch.watch(pl_module, config=self.config, sinks=sinks,
+                                            sites=sites)
+        except Exception:
+            for s in sinks[len(self.sinks):]:  # free the Prometheus port
+                s.close()
+            raise
+        if not trainer.loggers:
+            rank_zero_warn("FlashWatchCallback: the trainer has no logger, so flashwatch "
+                           "keys are not logged through Lightning (sinks still receive "
+                           "every report); pass logger=... to the Trainer to log them")
+        self._apply_pending()
+
+    def _apply_pending(self) -> None:
+        if self._pending_state is None:
+            return
+        try:
+            self.watcher.load_state_dict(self._pending_state)
+        except (ValueError, KeyError, TypeError) as e:
+            log.error("flashwatch: could not restore the watcher from the checkpoint (%s); "
+                      "monitoring starts fresh (modes STANDARD)", e)
+        self._pending_state = None
+
+    def _after_batch(self, trainer, pl_module) -> None:
+        w = self.watcher
+        if w is None or trainer.global_step == self._seen_step:
+            return  # unwatched, or a micro-batch of gradient accumulation
+        self._seen_step = trainer.global_step
+        report = w.step()
+        if report is not None:
+            self._latest = report
+        # Lightning writes step metrics when should_update_logs is true for this batch
+        # (every log_every_n_steps optimizer steps); logging on other batches is wasted.
+        connector = getattr(trainer, "_logger_connector", None)
+        if self._latest is None or not getattr(connector, "should_update_logs", True):
+            return
+        report, self._latest = self._latest, None
+        if not trainer.is_global_zero:
+            return
+        try:
+            for key, value in self._metrics(report).items():
+                pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
+        except Exception as e:  # logging must never stop training
+            if not self._log_failed:
+                self._log_failed = True
+                log.error("flashwatch: logging through Lightning failed (%s: %s); training "
+                          "continues, sinks still receive reports", type(e).__name__, e,
+                          exc_info=e)
+
+    def _metrics(self, report: StepReport) -> dict[str, float]:
+        """The logged keys of one report (see the class docstring); NaN values left out."""
+        w = self.watcher
+        m = {
+            "flashwatch/monitor_step": report.step,
+            "flashwatch/monitor_seconds": report.monitor_seconds,
+            "flashwatch/monitor_errors_total": w.monitor_errors_total,
+            "flashwatch/mitigations_total": sum(e.applied for e in w.events),
+            "flashwatch/heads_not_standard": sum(h.head_mode != Mode.STANDARD
+                                                 for h in report.heads),
+        }
+        layers: dict[str, list] = {}
+        for h in report.heads:
+            layers.setdefault(h.layer, []).append(h)
+        for layer, heads in layers.items():
+            for field in _LAYER_MAX:
+                values = [getattr(h, field) for h in heads if not math.isnan(getattr(h, field))]
+                if values:
+                    m[f"flashwatch/{layer}/{field}_max"] = max(values)
+            m[f"flashwatch/{layer}/heads_not_standard"] = sum(h.head_mode != Mode.STANDARD
+                                                              for h in heads)
+            m[f"flashwatch/{layer}/heads_flagged"] = sum(h.flagged for h in heads)
+        index = {layer: i for i, layer in enumerate(layers)}
+        for i, h in enumerate(report.worst(self.top_k), start=1):
+            for field in _HEAD_KEYS:
+                m[f"flashwatch/worst_{i}/{field}"] = getattr(h, field)
+            m[f"flashwatch/worst_{i}/layer_index"] = index[h.layer]
+            m[f"flashwatch/worst_{i}/head"] = h.head
+        if self.log_per_head:
+            for h in report.heads:
+                for field in _HEAD_KEYS:
+                    m[f"flashwatch/{h.layer}/head_{h.head}/{field}"] = getattr(h, field)
+                m[f"flashwatch/{h.layer}/head_{h.head}/head_mode"] = int(h.head_mode)
+        return {k: float(v) for k, v in m.items() if not math.isnan(v)}
+
+    def _pause(self, paused: bool) -> None:
+        # Watcher has no public pause yet: `_monitoring` is what its forward hooks read to
+        # decide whether to probe. Saved and restored around validation only.
+        w = self.watcher
+        if w is None:
+            return
+        if paused and self._paused_monitoring is None:
+            self._paused_monitoring, w._monitoring = w._monitoring, False
+        elif not paused and self._paused_monitoring is not None:
+            w._monitoring, self._paused_monitoring = self._paused_monitoring, None
+
+    def _detach(self) -> None:
+        if self.watcher is None:
+            return
+        self._pause(False)
+        # keep the final state: trainer.save_checkpoint() after fit() still saves it
+        self._pending_state = self.watcher.state_dict()
+        self.watcher.remove()
+        self.watcher = None
+        self._latest = None

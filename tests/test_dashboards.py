@@ -1,0 +1,510 @@
+"""dashboards/: Prometheus rules (promtool), the Grafana dashboard JSON and the Grafana
+alert rules, checked offline, and every dashboard query run against a real Prometheus
+that scrapes a training job (DESIGN.md §7).
+
+promtool and prometheus come with Debian's `prometheus` package (.ci/run installs it).
+When they are missing these tests FAIL (never skip): CI must not go green without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import flashwatch as fw
+from examples.gpt import GPT, GPTConfig
+from flashwatch import Event, Mode
+from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+
+ROOT = Path(__file__).resolve().parent.parent
+DASH = ROOT / "dashboards"
+RULES = DASH / "prometheus" / "flashwatch-rules.yml"
+RULES_TEST = DASH / "prometheus" / "flashwatch-rules.test.yml"
+DASHBOARD = DASH / "grafana" / "flashwatch.json"
+GRAFANA_ALERTS = DASH / "grafana" / "provisioning" / "alerting" / "flashwatch-alerts.yaml"
+DASHBOARD_PROVISIONING = DASH / "grafana" / "provisioning" / "dashboards" / "flashwatch.yaml"
+DOCS = ROOT / "docs" / "dashboards.md"
+RUNBOOKS = ROOT / "README.md"  # runbook_url anchors point at README sections
+INSTALL = "apt-get install -y --no-install-recommends prometheus (.ci/run does)"
+
+DS_REF = {"type": "prometheus", "uid": "${datasource}"}
+GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms"}
+SEVERITIES = {"critical", "warning", "info"}
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"`{name}` is missing; install Debian's package: {INSTALL}"
+    return path
+
+
+def _load_generator():
+    spec = importlib.util.spec_from_file_location("fw_dash_generate",
+                                                  DASH / "grafana" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _prom_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def _alerts() -> list[dict]:
+    return [r for r in _prom_rules() if "alert" in r]
+
+
+def _grafana_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(GRAFANA_ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def _all_panels(panels):
+    """Every panel, including those inside collapsed rows."""
+    for p in panels:
+        yield p
+        yield from _all_panels(p.get("panels", []))
+
+
+def _query_panels(d):
+    return [p for p in _all_panels(d["panels"]) if p["type"] not in ("row", "text")]
+
+
+def _dashboard_exprs(d) -> list[str]:
+    """Every PromQL expression of the dashboard: targets, annotations, variables."""
+    exprs = [t["expr"] for p in _query_panels(d) for t in p["targets"]]
+    for a in d["annotations"]["list"]:
+        if not a.get("builtIn"):
+            exprs += [a["expr"], a["target"]["expr"]]
+    for v in d["templating"]["list"]:
+        if v["type"] == "query":
+            exprs.append(_label_values(v)[0])
+    return exprs
+
+
+def _label_values(var) -> tuple[str, str]:
+    """(selector, label) of a `label_values(selector, label)` variable query."""
+    m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
+    assert m, f"variable {var['name']}: not a label_values(selector, label) query"
+    return m.group(1), m.group(2)
+
+
+# ------------------------------------------------------------ PromQL metric names
+
+_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+             "group_right", "offset", "bool", "inf", "nan", "atan2"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (a small tokenizer, enough for ours).
+
+    Removes what cannot be a metric name -- string literals, label matchers {...},
+    ranges [...], label lists of by/without/on/ignoring/group_*, numbers, `offset d` --
+    then every remaining identifier not followed by "(" (a function or aggregation)
+    and not a keyword is a metric name.
+    """
+    s = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`', '""', expr)
+    s = re.sub(r"\{[^{}]*\}", " ", s)
+    s = re.sub(r"\[[^\[\]]*\]", " ", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    s = re.sub(r"\boffset\s+-?\w+", " ", s)
+    s = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", s)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        if re.match(r"\s*\(", s[m.end():]) or m.group().lower() in _KEYWORDS:
+            continue
+        names.add(m.group())
+    return names
+
+
+def test_metric_name_parser_finds_names_and_catches_typos():
+    assert promql_metric_names(
+        'sum by (layer, head) (increase(flashwatch_mitigations_total{job=~"$job"}'
+        '[$__rate_interval])) > 0') == {"flashwatch_mitigations_total"}
+    assert promql_metric_names(
+        "a:b:c >= 0.2 and a:b:c > on (job, layer) group_left () (3 * x_y offset 30m)"
+        " + 1e-9") == {"a:b:c", "x_y"}
+    assert promql_metric_names('topk(5, abs(flashwatch_delta_error_sum{layer=~"up"}))') == {
+        "flashwatch_delta_error_sum"}
+    typo = promql_metric_names('flashwatch_mitigation_total{job="x"}')
+    assert typo - _known_names() == {"flashwatch_mitigation_total"}
+
+
+def _known_names() -> set[str]:
+    recorded = {r["record"] for r in _prom_rules() if "record" in r}
+    return set(METRIC_NAMES) | recorded | {"up"}
+
+
+def test_every_metric_name_exists_in_the_exporter_or_the_recording_rules():
+    sources = {"dashboard": _dashboard_exprs(_dashboard()),
+               "prometheus rules": [r["expr"] for r in _prom_rules()],
+               "grafana alerts": [q["model"]["expr"] for r in _grafana_rules()
+                                  for q in r["data"] if "expr" in q["model"]]}
+    used = set()
+    for where, exprs in sources.items():
+        assert exprs, where
+        for expr in exprs:
+            names = promql_metric_names(expr)
+            assert names, f"{where}: no metric name found in {expr!r}"
+            unknown = names - _known_names()
+            assert not unknown, (f"{where}: {sorted(unknown)} in {expr!r} is neither in the "
+                                 f"exporter's METRIC_NAMES nor a recording rule")
+            used |= names
+    # and the other way round: every exported metric is shown or alerted on somewhere
+    assert set(METRIC_NAMES) - used == set()
+
+
+# ------------------------------------------------------------------------ promtool
+
+
+def test_promtool_check_rules():
+    r = subprocess.run([_tool("promtool"), "check", "rules", str(RULES)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCESS" in r.stdout
+
+
+def test_promtool_test_rules():
+    r = subprocess.run([_tool("promtool"), "test", "rules", str(RULES_TEST)],
+                       capture_output=True, text=True, timeout=60, cwd=RULES_TEST.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _promtool_test_with(tmp_path, rules: dict) -> subprocess.CompletedProcess:
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules, sort_keys=False))
+    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
+    return subprocess.run([_tool("promtool"), "test", "rules", RULES_TEST.name],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("alert", [r["alert"] for r in _alerts()])
+def test_rule_tests_catch_an_alert_that_never_fires(tmp_path, alert):
+    """The unit tests are able to fail: a rule that cannot fire must break them."""
+    rules = yaml.safe_load(RULES.read_text())
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            if r.get("alert") == alert:
+                r["expr"] = "vector(1) == 0"
+    r = _promtool_test_with(tmp_path, rules)
+    assert r.returncode != 0 and alert in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("alert", [r["alert"] for r in _alerts() if "for" in r])
+def test_rule_tests_check_the_for_duration(tmp_path, alert):
+    """Dropping an alert's `for:` must break its "not yet firing" check."""
+    rules = yaml.safe_load(RULES.read_text())
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            if r.get("alert") == alert:
+                del r["for"]
+    r = _promtool_test_with(tmp_path, rules)
+    assert r.returncode != 0 and alert in r.stdout + r.stderr
+
+
+# ----------------------------------------------------------- alert rule contents
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_alerts_have_severity_summary_description_and_a_runbook_that_exists():
+    doc_anchors = {_anchor(m.group(1)) for m in
+                   re.finditer(r"^#{1,6}\s+(.+)$", RUNBOOKS.read_text(), re.M)}
+    seen = set()
+    for r in _alerts():
+        name, ann = r["alert"], r["annotations"]
+        assert r["labels"]["severity"] in SEVERITIES, name
+        assert ann["summary"].strip() and ann["description"].strip(), name
+        url = ann["runbook_url"]
+        assert url == f"https://github.com/flashwatch/flashwatch#alert-{name.lower()}", url
+        anchor = url.split("#", 1)[1]
+        assert anchor in doc_anchors, f"{name}: no heading with anchor #{anchor} in {RUNBOOKS}"
+        assert anchor not in seen
+        seen.add(anchor)
+        per_head = promql_metric_names(r["expr"]) - {"up", "flashwatch_monitor_step",
+                                                      "flashwatch_monitor_seconds",
+                                                      "flashwatch_monitor_errors_total"}
+        if per_head:  # an alert about a head must say which one
+            for label in ("$labels.layer", "$labels.head"):
+                assert label in ann["description"] and label in ann["summary"], (name, label)
+
+
+def test_grafana_alert_rules_are_equivalent_to_the_prometheus_alerts():
+    prom = {r["alert"]: r for r in _alerts()}
+    graf = {r["title"]: r for r in _grafana_rules()}
+    assert sorted(graf) == sorted(prom)
+    uids = [r["uid"] for r in graf.values()]
+    assert len(set(uids)) == len(uids)
+    panel_ids = {p["id"] for p in _all_panels(_dashboard()["panels"])}
+    for name, g in graf.items():
+        p = prom[name]
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,40}", g["uid"]), g["uid"]
+        refs = {q["refId"]: q for q in g["data"]}
+        assert g["condition"] in refs
+        query = refs["A"]
+        assert query["datasourceUid"] == "$FLASHWATCH_PROMETHEUS_UID"
+        assert query["model"]["expr"].strip() == p["expr"].strip(), name
+        assert query["model"]["instant"] is True
+        cond = refs[g["condition"]]
+        assert cond["datasourceUid"] == "__expr__" and cond["model"]["type"] == "math"
+        assert g["for"] == p.get("for", "0s"), name
+        assert g["labels"] == p["labels"], name
+        for key, text in p["annotations"].items():
+            expected = text.replace("$labels.", ".Labels.").replace("$value", ".Values.A.Value")
+            assert g["annotations"][key] == expected, (name, key)
+        # no `$` in annotations: provisioning must not be able to expand anything there
+        assert not any("$" in v for v in g["annotations"].values()), name
+        assert g["annotations"]["__dashboardUid__"] == _dashboard()["uid"]
+        assert int(g["annotations"]["__panelId__"]) in panel_ids
+        assert g["noDataState"] == "OK" and g["execErrState"] in ("Error", "Alerting", "OK")
+
+
+def test_generated_files_match_the_generator():
+    gen = _load_generator()
+    for path, text in gen.render().items():
+        assert path.read_text() == text, (f"{path} differs from dashboards/grafana/"
+                                          f"generate.py: run it and commit the output")
+
+
+def test_dashboard_provisioning_file():
+    doc = yaml.safe_load(DASHBOARD_PROVISIONING.read_text())
+    assert doc["apiVersion"] == 1
+    (provider,) = doc["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
+
+
+# --------------------------------------------------------- dashboard JSON structure
+
+
+def test_dashboard_structure_grafana_needs():
+    d = _dashboard()
+    assert d["uid"] == "flashwatch-attention" and d["title"]
+    assert d["schemaVersion"] >= 36 and d["id"] is None  # importable into any instance
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert len(variables) == len(d["templating"]["list"]), "duplicate variable names"
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert {"job", "layer", "head"} <= set(variables)
+
+    # variables: label_values queries on the datasource variable, each only using
+    # variables defined before it (Grafana resolves them in order)
+    defined = set(GRAFANA_BUILTINS)
+    for v in d["templating"]["list"]:
+        if v["type"] == "query":
+            assert v["datasource"] == DS_REF, v["name"]
+            selector, label = _label_values(v)
+            assert v["definition"] == v["query"]["query"]
+            assert _var_refs(selector) <= defined, v["name"]
+            assert v["multi"] == v["includeAll"]
+            if v["includeAll"]:
+                assert v["allValue"] == ".*"
+        defined.add(v["name"])
+
+    ids, rects = set(), []
+    panels = list(_all_panels(d["panels"]))
+    for p in panels:
+        assert isinstance(p["id"], int) and p["id"] not in ids, p.get("title")
+        ids.add(p["id"])
+        g = p["gridPos"]
+        assert all(isinstance(g[k], int) for k in "xywh") and g["w"] > 0 and g["h"] > 0
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for other, r in rects:  # panels must not overlap
+            overlap = (g["x"] < r["x"] + r["w"] and r["x"] < g["x"] + g["w"]
+                       and g["y"] < r["y"] + r["h"] and r["y"] < g["y"] + g["h"])
+            assert not overlap, (p["title"], other)
+        rects.append((p["title"], g))
+
+    query_panels = _query_panels(d)
+    assert {p["type"] for p in query_panels} >= {"timeseries", "heatmap", "state-timeline",
+                                                 "table"}
+    for p in query_panels:
+        assert p["datasource"] == DS_REF, p["title"]
+        assert p["description"].strip(), p["title"]
+        assert p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(set(refs)) == len(refs), p["title"]
+        for t in p["targets"]:
+            assert t.get("datasource", DS_REF) == DS_REF, p["title"]
+            assert t["expr"].strip(), p["title"]
+            assert _var_refs(t["expr"]) <= set(variables) | GRAFANA_BUILTINS, t["expr"]
+
+    # the guide (a text panel) explains every panel, with its description
+    (guide,) = [p for p in panels if p["type"] == "text"]
+    for p in query_panels:
+        assert f"*{p['title']}*: {p['description']}" in guide["options"]["content"]
+
+    annotations = [a for a in d["annotations"]["list"] if not a.get("builtIn")]
+    assert annotations, "mitigation annotations missing"
+    for a in annotations:
+        assert a["datasource"] == DS_REF and a["expr"] == a["target"]["expr"]
+        assert "flashwatch_mitigations_total" in promql_metric_names(a["expr"])
+        assert _var_refs(a["expr"]) <= set(variables) | GRAFANA_BUILTINS
+
+
+def _var_refs(expr: str) -> set[str]:
+    return set(re.findall(r"\$\{?(\w+)", expr))
+
+
+# ------------------------------------------------------- live Prometheus, end to end
+
+SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+SCRAPE_JOB = "flashwatch"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Trainer:
+    """A small bf16 GPT, watched on every step, one optimizer step per call."""
+
+    def __init__(self, sinks):
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(**SMALL))
+        self.watcher = fw.watch(self.model, every_n_steps=1, sinks=sinks)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self):
+        idx = torch.randint(0, SMALL["vocab_size"], (4, SMALL["block_size"] + 1),
+                            generator=self.gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = self.model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.watcher.step()
+
+
+class _PromqlError(Exception):
+    pass
+
+
+def _api(web: str, path: str, **params):
+    url = f"http://{web}/api/v1/{path}?" + urllib.parse.urlencode(params, doseq=True)
+    try:
+        body = json.load(urllib.request.urlopen(url, timeout=5))
+    except urllib.error.HTTPError as e:  # 400/422: a bad query -- fail, don't retry
+        raise _PromqlError(f"{params}: {e.read().decode()[:500]}") from None
+    return body["data"]
+
+
+def _regex_escape(value: str) -> str:
+    """What Grafana does to a multi-value variable's value inside =~"..." (PromQL
+    string): regex metacharacters get a backslash, itself escaped for the string."""
+    return re.sub(r"([\\^$.|?*+()\[\]{}])", r"\\\\\1", value)
+
+
+def _substitute(expr: str, values: dict[str, str]) -> str:
+    out = expr.replace("$__rate_interval", "5s").replace("$__interval", "2s")
+    for name, value in values.items():
+        out = out.replace("${" + name + "}", value).replace("$" + name, value)
+    assert "$" not in out, f"unsubstituted variable in {out!r}"
+    return out
+
+
+def test_every_dashboard_query_returns_series_from_a_live_prometheus(tmp_path):
+    binary = _tool("prometheus")
+    d = _dashboard()
+    exprs = _dashboard_exprs(d)
+    variables = [v for v in d["templating"]["list"] if v["type"] == "query"]
+
+    sink = PrometheusSink(port=0)
+    trainer = _Trainer([sink])
+    trainer.step()  # a report is there before the first scrape
+    web = f"127.0.0.1:{_free_port()}"
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                   "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],  # recording rules feed some panels
+        "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [
+            {"targets": [f"127.0.0.1:{sink.port}"]}]}]}))
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
+        stdout=subprocess.DEVNULL, stderr=log)
+    planted = False
+    empty: list = ["not run"]
+    try:
+        deadline = time.monotonic() + 50
+        while time.monotonic() < deadline and empty:
+            trainer.step()  # the job keeps training while Prometheus scrapes it
+            if proc.poll() is not None:
+                break
+            try:
+                if not planted:
+                    # Plant one mitigation (as the watcher reports a policy switch) once
+                    # the zero-initialised counter has been scraped, so increase() and
+                    # the annotation query see a real 0 -> 1 step in the scraped data.
+                    # Layer 0 head 0: the "one head" substitution below uses the first
+                    # layer and head, and its annotation query must find this event.
+                    if _api(web, "query", query="flashwatch_mitigations_total")["result"]:
+                        report = trainer.step()
+                        report.events.append(Event(
+                            step=report.step, layer="transformer.h.0.attn", head=0,
+                            from_mode=Mode.STANDARD, to_mode=Mode.BETA, reason="test",
+                            applied=True))
+                        sink.write(report)
+                        planted = True
+                    continue
+                values = _variable_values(web, variables)
+                if values is None:
+                    continue
+                empty = [(label, e) for label, vals in values.items() for e in exprs
+                         if not _api(web, "query", query=_substitute(e, vals))["result"]]
+            except OSError:
+                pass  # Prometheus not listening yet
+            time.sleep(0.3)
+        alive = proc.poll() is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        trainer.watcher.remove()
+    tail = (tmp_path / "prometheus.log").read_text()[-2000:]
+    assert alive, f"prometheus exited: {tail}"
+    assert planted, f"no flashwatch series ever scraped: {tail}"
+    assert not empty, f"dashboard queries without any series: {empty}"
+
+
+def _variable_values(web, variables):
+    """Two sets of variable values to substitute: "All" (.*) for layer/head, and the
+    first real value of each, escaped like Grafana does. None until all variables
+    have values in Prometheus (each variable query is checked this way too)."""
+    first = {}
+    for v in variables:  # in order: later selectors use earlier values
+        selector, label = _label_values(v)
+        sel = _substitute(selector, {**{k: ".*" for k in ("layer", "head")}, **first})
+        vals = _api(web, f"label/{label}/values", **{"match[]": sel})
+        if not vals:
+            return None
+        first[v["name"]] = vals[0]
+    assert first["job"] == SCRAPE_JOB
+    single = {k: (_regex_escape(x) if k in ("layer", "head") else x) for k, x in first.items()}
+    return {"all layers/heads": {**first, "layer": ".*", "head": ".*"}, "one head": single}

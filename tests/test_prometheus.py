@@ -1,0 +1,294 @@
+"""flashwatch.integrations.prometheus: the exporter over HTTP, and a real Prometheus
+server (Debian's `prometheus` binary, installed by .ci/run) scraping a training job."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+import flashwatch as fw
+from examples.gpt import GPT, GPTConfig
+from flashwatch import Event, HeadRecord, Mode, StepReport
+from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+
+SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
+PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(url, context=None) -> dict:
+    """{family name: family} of one scrape; sample names keep their `_total`."""
+    body = urllib.request.urlopen(url, timeout=5, context=context).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+def _samples(families) -> dict:
+    """{sample name: [samples]}."""
+    out: dict = {}
+    for f in families.values():
+        for s in f.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+class _Trainer:
+    """A small bf16 GPT training loop with a watcher, one optimizer step per call."""
+
+    def __init__(self, sinks):
+        torch.manual_seed(0)
+        self.model = GPT(GPTConfig(**SMALL))
+        self.watcher = fw.watch(self.model, every_n_steps=1, sinks=sinks)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self):
+        idx = torch.randint(0, SMALL["vocab_size"], (4, SMALL["block_size"] + 1),
+                            generator=self.gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = self.model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.watcher.step()
+
+
+# -------------------------------------------------------------------------- exporter
+
+
+def test_scrape_has_every_documented_metric_with_labels():
+    sink = PrometheusSink(port=0)
+    t = _Trainer([sink])  # watcher.remove() closes the sink
+    try:
+        assert sink.url == f"http://127.0.0.1:{sink.port}/metrics"
+        before = _scrape(sink.url)  # before any report: families, no samples
+        assert all(not f.samples for f in before.values())
+        t.step()
+        t.watcher.set_head_modes("transformer.h.1.attn", [Mode.BETA] * 4)
+        report = t.step()
+        # a policy switch as the watcher reports it (set_head_modes is not a policy event)
+        report.events.append(Event(step=report.step, layer="transformer.h.0.attn", head=2,
+                                   from_mode=Mode.STANDARD, to_mode=Mode.FP32_O,
+                                   reason="test", applied=True))
+        sink.write(report)
+        families = _scrape(sink.url)
+    finally:
+        t.watcher.remove()
+    samples = _samples(families)
+    assert sorted(samples) == sorted(METRIC_NAMES)
+    for f in families.values():
+        assert f.documentation.strip(), f.name  # HELP text
+        for s in f.samples:
+            assert "step" not in s.labels
+    for name in PER_HEAD:
+        assert {(s.labels["layer"], s.labels["head"]) for s in samples[name]} == HEADS, name
+    mode = {(s.labels["layer"], s.labels["head"]): s.value
+            for s in samples["flashwatch_head_mode"]}
+    assert mode[("transformer.h.1.attn", "3")] == int(Mode.BETA)
+    assert mode[("transformer.h.0.attn", "3")] == int(Mode.STANDARD)
+    mitig = {(s.labels["layer"], s.labels["head"], s.labels["mode"]): s.value
+             for s in samples["flashwatch_mitigations_total"]}
+    assert mitig[("transformer.h.0.attn", "2", "FP32_O")] == 1
+    assert sum(mitig.values()) == 1 and len(mitig) == 2 * len(HEADS)  # zero-initialised
+    assert families["flashwatch_mitigations"].type == "counter"
+    assert families["flashwatch_monitor_errors"].type == "counter"
+    assert samples["flashwatch_monitor_step"][0].value == 1
+    assert samples["flashwatch_monitor_seconds"][0].value > 0
+    for s in samples["flashwatch_wq_spectral_norm"]:
+        assert math.isfinite(s.value) and s.value > 0
+
+
+def test_nan_is_exposed_as_nan_and_series_stay():
+    sink = PrometheusSink(port=0)
+    try:
+        sink.write(StepReport(step=0, heads=[HeadRecord(layer="l", head=0)]))  # all NaN
+        samples = _samples(_scrape(sink.url))
+    finally:
+        sink.close()
+    assert math.isnan(samples["flashwatch_delta_drift_z"][0].value)
+    assert samples["flashwatch_head_mode"][0].value == 0
+
+
+def test_page_follows_new_reports_gzip_and_unknown_paths():
+    sink = PrometheusSink(port=0)
+    try:
+        sink.write(StepReport(step=1))
+        assert _samples(_scrape(sink.url))["flashwatch_monitor_step"][0].value == 1
+        sink.write(StepReport(step=2))  # the cached page is replaced by the next report
+        req = urllib.request.Request(sink.url, headers={"Accept-Encoding": "gzip"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.headers["Content-Encoding"] == "gzip"
+            text = gzip.decompress(r.read()).decode()
+        assert "flashwatch_monitor_step 2.0" in text
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(sink.url.replace("/metrics", "/other"), timeout=5)
+    finally:
+        sink.close()
+
+
+def test_remove_closes_the_server_and_frees_the_port():
+    sink = PrometheusSink(port=0)
+    port = sink.port
+    w = fw.watch(GPT(GPTConfig(**SMALL)), sinks=[sink])
+    w.remove()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    with socket.socket() as s:  # the port can be bound again
+        s.bind(("127.0.0.1", port))
+    sink.close()  # idempotent
+
+
+def test_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(RuntimeError, match=rf"port {port} .*already in use.*port="):
+            PrometheusSink(port=port)
+
+
+def test_port_is_base_plus_local_rank_and_rank_zero_only(monkeypatch):
+    base = _free_port() - 1
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    sink = PrometheusSink(port=base)
+    try:
+        assert sink.port == base + 1
+    finally:
+        sink.close()
+    monkeypatch.setenv("RANK", "1")
+    quiet = PrometheusSink(port=base, rank_zero_only=True)
+    assert quiet.port is None and quiet.url is None
+    quiet.write(StepReport(step=0))  # accepts reports, serves nothing
+    quiet.close()
+    explicit = PrometheusSink(port=0, rank_zero_only=True, rank=0, local_rank=3)  # args win
+    assert explicit.port is not None
+    explicit.close()
+    with pytest.raises(ValueError, match="certfile"):
+        PrometheusSink(port=0, certfile="cert.pem")
+
+
+def test_not_reachable_on_a_non_loopback_address_by_default():
+    sink = PrometheusSink(port=0)
+    try:
+        assert sink._httpd.socket.getsockname()[0] == "127.0.0.1"
+        ip = _non_loopback_ip()
+        if ip is not None:  # this machine has another address: nothing answers there
+            with pytest.raises(OSError):
+                socket.create_connection((ip, sink.port), timeout=2).close()
+        urllib.request.urlopen(sink.url, timeout=5).read()  # loopback answers
+    finally:
+        sink.close()
+
+
+def _non_loopback_ip() -> str | None:
+    # A UDP "connect" sends nothing; it only asks the kernel which source address a
+    # packet to that destination would leave from.
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make "
+                    "a test certificate")
+def test_tls_options_serve_https(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    sink = PrometheusSink(port=0, certfile=str(cert), keyfile=str(key))
+    try:
+        assert sink.url.startswith("https://")
+        sink.write(StepReport(step=3))
+        ctx = ssl.create_default_context(cafile=str(cert))
+        samples = _samples(_scrape(sink.url, context=ctx))
+        assert samples["flashwatch_monitor_step"][0].value == 3
+        with pytest.raises(OSError):  # plain HTTP is refused
+            urllib.request.urlopen(sink.url.replace("https", "http"), timeout=2).read()
+    finally:
+        sink.close()
+
+
+# -------------------------------------------------------------- a real Prometheus
+
+
+def test_real_prometheus_scrapes_a_training_job(tmp_path):
+    binary = shutil.which("prometheus")
+    assert binary, ("the prometheus binary is missing; install Debian's package: "
+                    "apt-get install -y --no-install-recommends prometheus (.ci/run does)")
+    sink = PrometheusSink(port=0)
+    trainer = _Trainer([sink])
+    trainer.step()  # the first report is there before the first scrape
+    web = f"127.0.0.1:{_free_port()}"
+    (tmp_path / "prometheus.yml").write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
+        "scrape_configs:\n  - job_name: flashwatch\n"
+        f"    static_configs:\n      - targets: ['127.0.0.1:{sink.port}']\n")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    try:
+        deadline = time.monotonic() + 45
+        found: dict = {}
+        while time.monotonic() < deadline:
+            trainer.step()  # the job keeps training while Prometheus scrapes it
+            found = _query(web, '{__name__=~"flashwatch_.+"}')
+            if _complete(found):
+                break
+            time.sleep(0.2)
+        log = (tmp_path / "prometheus.log").read_text()
+        assert _complete(found), (sorted(found), log[-2000:])
+        up = _query(web, 'up{job="flashwatch"}')
+        assert [float(s["value"][1]) for s in up["up"]] == [1.0]
+        steps = [float(s["value"][1]) for s in found["flashwatch_monitor_step"]]
+        assert steps and steps[0] >= 1  # a report from the running job, not the first
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        trainer.watcher.remove()
+
+
+def _query(web, promql) -> dict:
+    """{metric name: [series]} of an instant query; {} while Prometheus is not up."""
+    url = f"http://{web}/api/v1/query?" + urllib.parse.urlencode({"query": promql})
+    try:
+        body = json.load(urllib.request.urlopen(url, timeout=5))
+    except OSError:
+        return {}
+    out: dict = {}
+    for series in body["data"]["result"]:
+        out.setdefault(series["metric"].get("__name__", "up"), []).append(series)
+    return out
+
+
+def _complete(found) -> bool:
+    if set(found) != set(METRIC_NAMES):
+        return False
+    return all({(s["metric"]["layer"], s["metric"]["head"]) for s in found[n]} == HEADS
+               for n in PER_HEAD)
