@@ -22,7 +22,7 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/flashwatch demo --plant 1 --out runs/demo
+	$(BIN)/flashwatch demo --out runs/demo
 	$(BIN)/flashwatch report runs/demo
 
 lint: install

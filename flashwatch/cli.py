@@ -31,8 +31,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     summary = run_demo(steps=args.steps, seed=args.seed, out=out,
-                       port=args.port or None, mitigation=args.mitigation, every=args.every,
-                       plant=args.plant)
+                       port=args.port or None, mitigation=args.mitigation, every=args.every)
     if summary["ended"] == "interrupted":
         return 130  # the shell's code for Ctrl-C
     return 0
@@ -87,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT (examples/gpt.py) on CPU in BF16 autocast with the "
                     "watcher, the JSONL and console sinks and the Prometheus exporter; "
                     "writes a run directory that `flashwatch report` reads.")
-    demo.add_argument("--steps", type=_positive, default=400, help="optimizer steps (400)")
+    demo.add_argument("--steps", type=_positive, default=300, help="optimizer steps (300)")
     demo.add_argument("--seed", type=int, default=0, help="seed for data, model, watcher")
     demo.add_argument("--out", type=Path, default=None,
                       help="run directory (default runs/demo-<time>)")
@@ -96,9 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mitigation", choices=("off", "advise", "auto"), default="auto")
     demo.add_argument("--every", type=_positive, default=2,
                       help="monitor one optimizer step in this many (2)")
-    demo.add_argument("--plant", type=int, default=None, metavar="LAYER",
-                      help="give LAYER a kernel whose BF16 output leans, to see the alarm, "
-                           "the switch and the escalation within minutes")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -116,8 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "plant", None) is not None and not 0 <= args.plant < 4:
-        build_parser().error(f"--plant must be a layer index 0..3, got {args.plant}")
     return args.func(args)
 
 

@@ -10,17 +10,10 @@ The run directory it leaves (also after Ctrl-C):
 
 Data: byte-level text generated from a seeded template grammar with heavy repetition
 (no download). Repeated tokens make repeated keys, so rows with tied maxima occur.
-
---plant LAYER swaps that layer's attention kernel for one whose BF16 output leans by a
-relative 1e-2 in every head that does not keep O in FP32 (the paper's failure, made
-strong enough to see in minutes instead of thousands of GPU steps). Everything else is
-the real run: the watcher measures it, flags the layer, switches it to BETA, sees the
-drift persist (BETA does not fix this kernel) and escalates to FP32_O.
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import math
 import random
@@ -32,11 +25,7 @@ from pathlib import Path
 import torch
 
 import flashwatch as fw
-from flashwatch import dispatch
 from flashwatch.sinks import ConsoleSink, JsonlSink
-
-PLANT_LEAN = 1e-2  # relative lean of the planted kernel's output
-_LEANING = contextvars.ContextVar("flashwatch_demo_leaning", default=False)
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "a", "big",
          "red", "old", "and", "then", "it", "slept", "barked", "again"]
@@ -54,42 +43,8 @@ def make_corpus(n_bytes: int, seed: int) -> torch.Tensor:
     return torch.tensor(list("".join(parts).encode()[:n_bytes]), dtype=torch.long)
 
 
-def _install_plant(model, layer: int):
-    """Make model.transformer.h[layer].attn call flashwatch.attention through a kernel
-    whose output leans; returns a function that undoes it."""
-    attn = model.transformer.h[layer].attn
-    real_dispatch = dispatch._dispatch
-
-    def leaning_dispatch(q, k, v, *, head_modes, **kw):
-        out = real_dispatch(q, k, v, head_modes=head_modes, **kw)
-        if not _LEANING.get():
-            return out
-        lean = (head_modes != int(fw.Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
-        return out + (PLANT_LEAN * lean * out.detach()).detach()  # |O| too large by 1 %
-
-    def forward(x):
-        B, T, C = x.shape
-        q, k, v = attn.c_attn(x).split(attn.n_embd, dim=2)
-        q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
-                   for t in (q, k, v))
-        token = _LEANING.set(True)
-        try:
-            y = fw.attention(q, k, v, causal=True)
-        finally:
-            _LEANING.reset(token)
-        return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-    dispatch._dispatch = leaning_dispatch
-    attn.forward = forward
-
-    def undo():
-        dispatch._dispatch = real_dispatch
-        del attn.forward
-    return undo
-
-
 def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: str,
-             every: int, plant: int | None = None, batch: int = 8, block: int = 64,
+             every: int, batch: int = 8, block: int = 64,
              lr: float = 3e-3, print_every: int = 10, stream=None) -> dict:
     """Train, watch, write the run directory; returns the summary dict."""
     GPT, GPTConfig = _example_gpt()
@@ -98,9 +53,6 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     torch.manual_seed(seed)
     cfg = GPTConfig(block_size=block, vocab_size=256, n_layer=4, n_head=4, n_embd=64)
     model = GPT(cfg)
-    if plant is not None and not 0 <= plant < cfg.n_layer:
-        raise ValueError(f"plant must be a layer index in [0, {cfg.n_layer}), got {plant}")
-    undo = _install_plant(model, plant) if plant is not None else None
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     data = make_corpus(200_000, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -114,15 +66,11 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     watcher = fw.watch(model, sinks=sinks, mitigation=mitigation, every_n_steps=every,
                        seed=seed)
     summary = {"settings": dict(steps=steps, seed=seed, mitigation=mitigation, every=every,
-                                plant=plant, batch=batch, block=block, lr=lr, port=port,
+                                batch=batch, block=block, lr=lr, port=port,
                                 model=asdict(cfg)),
                "steps_done": 0, "ended": "running"}
     print(f"flashwatch demo: {steps} steps, GPT {cfg.n_layer}×{cfg.n_head} heads, bf16 "
           f"autocast on CPU, mitigation={mitigation}; run directory {out}", file=stream)
-    if plant is not None:
-        print(f"planted: layer {plant}'s kernel leans by {PLANT_LEAN:g} (relative) in its "
-              f"BF16 output; expect the watcher to flag transformer.h.{plant}.attn",
-              file=stream)
     if exporter is not None:
         print(f"Prometheus metrics: http://127.0.0.1:{exporter.port}/metrics", file=stream)
     t_start = time.perf_counter()
@@ -161,8 +109,6 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
         print("\ninterrupted: writing the run directory", file=stream)
     finally:
         _finish(watcher, out, summary, time.perf_counter() - t_start)
-        if undo is not None:
-            undo()
     _print_next_steps(out, exporter, stream)
     return summary
 
