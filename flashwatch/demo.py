@@ -97,7 +97,9 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
                     rate = (step + 1) / (time.perf_counter() - t_start)
                     modes = sum(m != fw.Mode.STANDARD for ms in watcher.head_modes().values()
                                 for m in ms)
-                    print(f"step {step + 1:>5}/{steps}  loss {loss_v:.3f}  "
+                    done = int(20 * (step + 1) / steps)
+                    print(f"[{'#' * done}{'.' * (20 - done)}] "
+                          f"step {step + 1:>5}/{steps}  loss {loss_v:.3f}  "
                           f"{rate:.2f} steps/s  heads not STANDARD: {modes}", file=stream)
                 if not math.isfinite(loss_v):
                     summary["ended"] = "loss not finite"
