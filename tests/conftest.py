@@ -9,3 +9,17 @@ explicit TRITON_INTERPRET=0 (benchmarks/gpu_check.py runs the same tests nativel
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the signal and policy tests run many tiny ops,
+    several times faster on 1 thread than on 2 of a loaded 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import flashwatch as fw
+from flashwatch import Mode
+
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor | None) -> torch.Tensor | None:
     if targets is None:
@@ -268,3 +271,40 @@ class TinyViTish(nn.Module):
             x = x + block.attn(block.norm(x))
         logits = self.head(x)
         return logits, _lm_loss(logits, targets)
+
+
+# ------------------------------------------------------------------ planted failures
+
+
+class TiedAttention(nn.Module):
+    """nanoGPT-style layer that calls flashwatch.attention (so a watcher always routes
+    it). tie=True sets W^K = 0 and b^K = 0.5: every key is equal, so every row's scores
+    are tied (except each sequence's first row, which sees one key)."""
+
+    def __init__(self, C: int = 32, H: int = 2, tie: bool = False):
+        super().__init__()
+        self.c_attn = nn.Linear(C, 3 * C)
+        self.n_head = H
+        if tie:
+            with torch.no_grad():
+                self.c_attn.weight[C:2 * C].zero_()
+                self.c_attn.bias[C:2 * C].fill_(0.5)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        return fw.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, T, C)
+
+
+def leaning_dispatch(real, bias: float):
+    """Wrap flashwatch.dispatch._dispatch into a kernel whose low-precision O leans
+    positive by `bias`·|O| in STANDARD and BETA heads (as a real kernel's rounding can),
+    while FP32_O heads' δ uses the FP32 O. The gradient is unchanged (detached)."""
+
+    def leaning(q, k, v, *, head_modes, **kw):
+        out = real(q, k, v, head_modes=head_modes, **kw)
+        lean = (head_modes != int(Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
+        return out + (bias * lean * out.detach().abs()).detach()
+
+    return leaning

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,13 +20,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
-import flashwatch as fw
-from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, Mode
 from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+from livejob import INSTALL, TinyTrainer, prometheus_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DASH = ROOT / "dashboards"
@@ -38,7 +35,6 @@ GRAFANA_ALERTS = DASH / "grafana" / "provisioning" / "alerting" / "flashwatch-al
 DASHBOARD_PROVISIONING = DASH / "grafana" / "provisioning" / "dashboards" / "flashwatch.yaml"
 DOCS = ROOT / "docs" / "dashboards.md"
 RUNBOOKS = ROOT / "README.md"  # runbook_url anchors point at README sections
-INSTALL = "apt-get install -y --no-install-recommends prometheus (.ci/run does)"
 
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms"}
@@ -370,33 +366,6 @@ SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 SCRAPE_JOB = "flashwatch"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Trainer:
-    """A small bf16 GPT, watched on every step, one optimizer step per call."""
-
-    def __init__(self, sinks):
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(**SMALL))
-        self.watcher = fw.watch(self.model, every_n_steps=1, sinks=sinks)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-        self.gen = torch.Generator().manual_seed(0)
-
-    def step(self):
-        idx = torch.randint(0, SMALL["vocab_size"], (4, SMALL["block_size"] + 1),
-                            generator=self.gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = self.model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return self.watcher.step()
-
-
 class _PromqlError(Exception):
     pass
 
@@ -425,67 +394,52 @@ def _substitute(expr: str, values: dict[str, str]) -> str:
 
 
 def test_every_dashboard_query_returns_series_from_a_live_prometheus(tmp_path):
-    binary = _tool("prometheus")
+    _tool("prometheus")  # fail early, with the install hint, if it is missing
     d = _dashboard()
     exprs = _dashboard_exprs(d)
     variables = [v for v in d["templating"]["list"] if v["type"] == "query"]
 
     sink = PrometheusSink(port=0)
-    trainer = _Trainer([sink])
+    trainer = TinyTrainer([sink])
     trainer.step()  # a report is there before the first scrape
-    web = f"127.0.0.1:{_free_port()}"
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                   "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],  # recording rules feed some panels
-        "scrape_configs": [{"job_name": SCRAPE_JOB, "static_configs": [
-            {"targets": [f"127.0.0.1:{sink.port}"]}]}]}))
-    log = open(tmp_path / "prometheus.log", "w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
-        stdout=subprocess.DEVNULL, stderr=log)
     planted = False
     empty: list = ["not run"]
     try:
-        deadline = time.monotonic() + 50
-        while time.monotonic() < deadline and empty:
-            trainer.step()  # the job keeps training while Prometheus scrapes it
-            if proc.poll() is not None:
-                break
-            try:
-                if not planted:
-                    # Plant one mitigation (as the watcher reports a policy switch) once
-                    # the zero-initialised counter has been scraped, so increase() and
-                    # the annotation query see a real 0 -> 1 step in the scraped data.
-                    # Layer 0 head 0: the "one head" substitution below uses the first
-                    # layer and head, and its annotation query must find this event.
-                    if _api(web, "query", query="flashwatch_mitigations_total")["result"]:
-                        report = trainer.step()
-                        report.events.append(Event(
-                            step=report.step, layer="transformer.h.0.attn", head=0,
-                            from_mode=Mode.STANDARD, to_mode=Mode.BETA, reason="test",
-                            applied=True))
-                        sink.write(report)
-                        planted = True
-                    continue
-                values = _variable_values(web, variables)
-                if values is None:
-                    continue
-                empty = [(label, e) for label, vals in values.items() for e in exprs
-                         if not _api(web, "query", query=_substitute(e, vals))["result"]]
-            except OSError:
-                pass  # Prometheus not listening yet
-            time.sleep(0.3)
-        alive = proc.poll() is None
+        # recording rules feed some panels
+        with prometheus_server(tmp_path, sink.port, job=SCRAPE_JOB,
+                               rule_files=[RULES]) as (web, proc):
+            deadline = time.monotonic() + 50
+            while time.monotonic() < deadline and empty:
+                trainer.step()  # the job keeps training while Prometheus scrapes it
+                if proc.poll() is not None:
+                    break
+                try:
+                    if not planted:
+                        # Plant one mitigation (as the watcher reports a policy switch)
+                        # once the zero-initialised counter has been scraped, so
+                        # increase() and the annotation query see a real 0 -> 1 step.
+                        # Layer 0 head 0: the "one head" substitution below uses the
+                        # first layer and head, and its annotation query must find it.
+                        if _api(web, "query",
+                                query="flashwatch_mitigations_total")["result"]:
+                            report = trainer.step()
+                            report.events.append(Event(
+                                step=report.step, layer="transformer.h.0.attn", head=0,
+                                from_mode=Mode.STANDARD, to_mode=Mode.BETA, reason="test",
+                                applied=True))
+                            sink.write(report)
+                            planted = True
+                        continue
+                    values = _variable_values(web, variables)
+                    if values is None:
+                        continue
+                    empty = [(label, e) for label, vals in values.items() for e in exprs
+                             if not _api(web, "query", query=_substitute(e, vals))["result"]]
+                except OSError:
+                    pass  # Prometheus not listening yet
+                time.sleep(0.3)
+            alive = proc.poll() is None
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
         trainer.watcher.remove()
     tail = (tmp_path / "prometheus.log").read_text()[-2000:]
     assert alive, f"prometheus exited: {tail}"

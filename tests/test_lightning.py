@@ -25,6 +25,7 @@ from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
 from flashwatch import dispatch as fw_dispatch
 from flashwatch.integrations.lightning import FlashWatchCallback
+from standins import TiedAttention, leaning_dispatch
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 LAYERS = ["model.transformer.h.0.attn", "model.transformer.h.1.attn"]
@@ -274,26 +275,6 @@ def test_resume_from_checkpoint_restores_modes_and_continues_identically(tmp_pat
 # --------------------------------------------------------------------------- DDP
 
 
-class _TiedAttention(nn.Module):
-    """nanoGPT-style layer on flashwatch.attention; W^K = 0 and b^K constant make every
-    key equal, so every row's scores are tied (the layer the policy should act on)."""
-
-    def __init__(self, C=16, H=2, tie=False):
-        super().__init__()
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.n_head = H
-        if tie:
-            with torch.no_grad():
-                self.c_attn.weight[C:2 * C].zero_()
-                self.c_attn.bias[C:2 * C].fill_(0.5)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        return fw.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, T, C)
-
-
 class LitTied(pl.LightningModule):
     """Rank 0: a kernel whose O leans positive and a fixed input with loss = sum, so its
     δ error persists in sign. Rank 1: the plain kernel and a new input each step; alone it
@@ -303,18 +284,12 @@ class LitTied(pl.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(7)
-        self.tied, self.plain = _TiedAttention(tie=True), _TiedAttention()
+        self.tied, self.plain = TiedAttention(C=16, tie=True), TiedAttention(C=16)
 
     def setup(self, stage):
         if self.global_rank == 0:
-            real = fw_dispatch._dispatch
-
-            def leaning(q, k, v, *, head_modes, **kw):
-                out = real(q, k, v, head_modes=head_modes, **kw)
-                lean = (head_modes != int(Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
-                return out + (2e-2 * lean * out.detach().abs()).detach()
-
-            fw_dispatch._dispatch = leaning  # this spawned process only
+            # this spawned process only
+            fw_dispatch._dispatch = leaning_dispatch(fw_dispatch._dispatch, 2e-2)
         self.gen = torch.Generator().manual_seed(self.global_rank)
         self.fixed = torch.randn(2, 8, 16, generator=self.gen)
 

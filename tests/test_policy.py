@@ -17,13 +17,7 @@ F64 = torch.float64
 HEADS = [("h.0.attn", 0), ("h.0.attn", 1), ("h.1.attn", 0)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Many tiny ops: 1 thread is several times faster than 2 on a loaded 2-core machine.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _values(z=0.0, coh=0.0, growth=0.0, fill=64, n=3):

@@ -16,23 +16,16 @@ import urllib.parse
 import urllib.request
 
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
 from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+from livejob import SMALL, TinyTrainer, free_port, prometheus_server
 
-SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _scrape(url, context=None) -> dict:
@@ -50,33 +43,9 @@ def _samples(families) -> dict:
     return out
 
 
-class _Trainer:
-    """A small bf16 GPT training loop with a watcher, one optimizer step per call."""
-
-    def __init__(self, sinks):
-        torch.manual_seed(0)
-        self.model = GPT(GPTConfig(**SMALL))
-        self.watcher = fw.watch(self.model, every_n_steps=1, sinks=sinks)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=3e-3)
-        self.gen = torch.Generator().manual_seed(0)
-
-    def step(self):
-        idx = torch.randint(0, SMALL["vocab_size"], (4, SMALL["block_size"] + 1),
-                            generator=self.gen)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = self.model(idx[:, :-1], idx[:, 1:])
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return self.watcher.step()
-
-
-# -------------------------------------------------------------------------- exporter
-
-
 def test_scrape_has_every_documented_metric_with_labels():
     sink = PrometheusSink(port=0)
-    t = _Trainer([sink])  # watcher.remove() closes the sink
+    t = TinyTrainer([sink])  # watcher.remove() closes the sink
     try:
         assert sink.url == f"http://127.0.0.1:{sink.port}/metrics"
         before = _scrape(sink.url)  # before any report: families, no samples
@@ -166,7 +135,7 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_port_is_base_plus_local_rank_and_rank_zero_only(monkeypatch):
-    base = _free_port() - 1
+    base = free_port() - 1
     monkeypatch.setenv("LOCAL_RANK", "1")
     sink = PrometheusSink(port=base)
     try:
@@ -234,43 +203,26 @@ def test_tls_options_serve_https(tmp_path):
 
 
 def test_real_prometheus_scrapes_a_training_job(tmp_path):
-    binary = shutil.which("prometheus")
-    assert binary, ("the prometheus binary is missing; install Debian's package: "
-                    "apt-get install -y --no-install-recommends prometheus (.ci/run does)")
     sink = PrometheusSink(port=0)
-    trainer = _Trainer([sink])
+    trainer = TinyTrainer([sink])
     trainer.step()  # the first report is there before the first scrape
-    web = f"127.0.0.1:{_free_port()}"
-    (tmp_path / "prometheus.yml").write_text(
-        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-        "scrape_configs:\n  - job_name: flashwatch\n"
-        f"    static_configs:\n      - targets: ['127.0.0.1:{sink.port}']\n")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={web}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
     try:
-        deadline = time.monotonic() + 45
-        found: dict = {}
-        while time.monotonic() < deadline:
-            trainer.step()  # the job keeps training while Prometheus scrapes it
-            found = _query(web, '{__name__=~"flashwatch_.+"}')
-            if _complete(found):
-                break
-            time.sleep(0.2)
-        log = (tmp_path / "prometheus.log").read_text()
-        assert _complete(found), (sorted(found), log[-2000:])
-        up = _query(web, 'up{job="flashwatch"}')
-        assert [float(s["value"][1]) for s in up["up"]] == [1.0]
-        steps = [float(s["value"][1]) for s in found["flashwatch_monitor_step"]]
-        assert steps and steps[0] >= 1  # a report from the running job, not the first
+        with prometheus_server(tmp_path, sink.port) as (web, _):
+            deadline = time.monotonic() + 45
+            found: dict = {}
+            while time.monotonic() < deadline:
+                trainer.step()  # the job keeps training while Prometheus scrapes it
+                found = _query(web, '{__name__=~"flashwatch_.+"}')
+                if _complete(found):
+                    break
+                time.sleep(0.2)
+            log = (tmp_path / "prometheus.log").read_text()
+            assert _complete(found), (sorted(found), log[-2000:])
+            up = _query(web, 'up{job="flashwatch"}')
+            assert [float(s["value"][1]) for s in up["up"]] == [1.0]
+            steps = [float(s["value"][1]) for s in found["flashwatch_monitor_step"]]
+            assert steps and steps[0] >= 1  # a report from the running job, not the first
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         trainer.watcher.remove()
 
 

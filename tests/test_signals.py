@@ -43,13 +43,7 @@ from flashwatch.signals import HeadSignals, top_singular_pair
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Many tiny batched ops: 1 thread is several times faster than 2 on a loaded 2-core box.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- streams

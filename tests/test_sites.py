@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from standins import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TinyViTish
 from torch import nn
 
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
 from flashwatch.sites import AttentionSite, find_sites, make_site
+from standins import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TinyViTish
 
 GPT_CFG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, bias=True)
 

@@ -9,14 +9,7 @@ import torch
 
 from flashwatch.spectral import power_iteration
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny batched matmuls: 1 thread is faster than 2 on a loaded 2-core machine.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _exact(W):

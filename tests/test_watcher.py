@@ -16,6 +16,7 @@ from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
 from flashwatch import dispatch as fw_dispatch
 from oracle import math_attention
+from standins import TiedAttention, leaning_dispatch
 
 SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
 
@@ -240,47 +241,18 @@ def test_hugging_face_shaped_models(factory):
 # -------------------------------------------------------------- policy end to end
 
 
-class _FwAttention(nn.Module):
-    """nanoGPT-style layer that calls flashwatch.attention (so routing is always on)."""
-
-    def __init__(self, C=32, H=2, tie_keys=False):
-        super().__init__()
-        self.c_attn = nn.Linear(C, 3 * C)
-        self.n_head = H
-        self.tie_keys = tie_keys
-        if tie_keys:  # W^K = 0, b^K = const: every key equal, every row's scores tied
-            with torch.no_grad():
-                self.c_attn.weight[C:2 * C].zero_()
-                self.c_attn.bias[C:2 * C].fill_(0.5)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        return fw.attention(q, k, v, causal=True).transpose(1, 2).reshape(B, T, C)
-
-
 class _TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()
-        self.tied = _FwAttention(tie_keys=True)
-        self.plain = _FwAttention()
+        self.tied = TiedAttention(tie=True)
+        self.plain = TiedAttention()
 
     def forward(self, x):
         return self.plain(x + self.tied(x))
 
 
 def _biased_kernel(monkeypatch, bias=1e-2):
-    """A kernel whose low-precision O leans positive in STANDARD and BETA heads (as a real
-    kernel's rounding can), while FP32_O heads' δ uses the FP32 O."""
-    real = fw_dispatch._dispatch
-
-    def biased(q, k, v, *, head_modes, **kw):
-        out = real(q, k, v, head_modes=head_modes, **kw)
-        lean = (head_modes != int(Mode.FP32_O)).to(out.dtype).view(1, -1, 1, 1)
-        return out + (bias * lean * out.detach().abs()).detach()
-
-    monkeypatch.setattr(fw_dispatch, "_dispatch", biased)
+    monkeypatch.setattr(fw_dispatch, "_dispatch", leaning_dispatch(fw_dispatch._dispatch, bias))
 
 
 def _drive(model, w, steps, seed=0, vary=False):
