@@ -132,6 +132,7 @@ class Watcher:
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._step = 0  # optimizer steps completed = index of the step being accumulated
         self._monitoring = True  # step 0 is monitored
+        self._paused = False  # pause(): forward passes are not measured (validation)
         self._events: list = []
         self._errors_total = 0
         self._error_keys: set = set()
@@ -167,6 +168,18 @@ class Watcher:
 
     def head_modes(self) -> dict[str, list[Mode]]:
         return {st.site.name: [Mode(int(m)) for m in st.modes] for st in self._states}
+
+    def pause(self) -> None:
+        """Stop measuring forward passes (e.g. during validation) until `resume()`.
+        Head modes still apply; the step count is unaffected."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+
+    @property
+    def _measuring(self) -> bool:
+        return self._monitoring and not self._paused
 
     def set_head_modes(self, layer: str, modes) -> None:
         """Set the modes of one watched layer by hand, from the next attention call on
@@ -295,7 +308,7 @@ class Watcher:
                 return
             self._current = st
             self._ctx_token = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
-            if self._monitoring or self.config.route_all or bool(st.modes.any()):
+            if self._measuring or self.config.route_all or bool(st.modes.any()):
                 self._mode.__enter__()
                 st.pushed = True
         return hook
@@ -314,7 +327,7 @@ class Watcher:
 
     def _x_hook(self, st: _SiteState):
         def hook(module, args):
-            if self._monitoring and not self._removed and args:
+            if self._measuring and not self._removed and args:
                 st.x = args[0]  # a reference only; rows are taken at the attention call
         return hook
 
@@ -352,7 +365,7 @@ class Watcher:
                                 f"is still measured")
         if out is None:
             out = func(*args, **kwargs)
-        if self._monitoring:
+        if self._measuring:
             self._safe_probe(st, q, k, v, out, causal, scale, mask, routed)
         return out
 
@@ -361,7 +374,7 @@ class Watcher:
                       eps=None, stats=None, backend=None):
             out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
                                beta=beta, eps=eps, backend=backend)
-            if self._monitoring:
+            if self._measuring:
                 self._safe_probe(st, q, k, v, out, causal, scale, None, True)
             return out
         return intercept
@@ -377,7 +390,7 @@ class Watcher:
             from flashwatch.kernels.common import normalize_head_modes
             modes = torch.maximum(modes, normalize_head_modes(head_modes, q.shape[1]))
         stats = None
-        if self._monitoring or user_stats is not None:
+        if self._measuring or user_stats is not None:
             stats = AttentionStats.zeros(q.shape[1], device=q.device)
         out = _dispatch_mod._dispatch(
             q, k, v, causal=causal, scale=scale, head_modes=modes,
@@ -387,7 +400,7 @@ class Watcher:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self._monitoring:
+            if self._measuring:
                 st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
                               stats.max_logit.cpu())
                 st.stats.rows += stats.rows.cpu()

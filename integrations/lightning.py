@@ -145,7 +145,6 @@ class FlashWatchCallback(pl.Callback):
         self._pending_state: dict | None = None  # loaded before setup, or left by teardown
         self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
         self._latest: StepReport | None = None  # newest report not yet logged
-        self._paused_monitoring: bool | None = None
         self._log_failed = False  # logged once
 
     # ---------------------------------------------------------------- Lightning hooks
@@ -286,15 +285,12 @@ class FlashWatchCallback(pl.Callback):
         return {k: float(v) for k, v in m.items() if not math.isnan(v)}
 
     def _pause(self, paused: bool) -> None:
-        # Watcher has no public pause yet: `_monitoring` is what its forward hooks read to
-        # decide whether to probe. Saved and restored around validation only.
-        w = self.watcher
-        if w is None:
+        if self.watcher is None:
             return
-        if paused and self._paused_monitoring is None:
-            self._paused_monitoring, w._monitoring = w._monitoring, False
-        elif not paused and self._paused_monitoring is not None:
-            w._monitoring, self._paused_monitoring = self._paused_monitoring, None
+        if paused:
+            self.watcher.pause()
+        else:
+            self.watcher.resume()
 
     def _detach(self) -> None:
         if self.watcher is None:

@@ -185,6 +185,22 @@ def test_every_n_steps_skips_unmonitored_steps_entirely():
     assert w.step_count == 7
 
 
+def test_paused_forward_passes_are_not_measured():
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(**SMALL))
+    x, y = _batch(torch.Generator().manual_seed(5))
+    w = fw.watch(model, every_n_steps=1)
+    w.pause()
+    model(x, y)[1].backward()  # e.g. a validation pass with gradients: not measured
+    w.resume()
+    r = w.step()
+    assert all(math.isnan(h.delta_error_sum) and math.isnan(h.tied_rowmax_ratio)
+               for h in r.heads)
+    model(x, y)[1].backward()
+    r = w.step()
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
 def test_remove_restores_the_model_exactly():
     torch.manual_seed(5)
     model = GPT(GPTConfig(**SMALL))
