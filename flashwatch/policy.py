@@ -168,6 +168,13 @@ class Policy:
             return Decision(new.clone(), new.clone(), flagged, events, go.clone())
         return Decision(applied.clone(), new.clone(), flagged, events, reset)
 
+    def restart(self, mask: torch.Tensor) -> None:
+        """Restart the patience and verification counters of the masked heads (their mode
+        was changed by hand): verification then measures only what came after."""
+        mask = mask.to("cpu", torch.bool)
+        self.streak[mask] = 0
+        self.since_switch[mask] = 0
+
     def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral) -> str:
         cfg = self.config
         drift_text = (f"drift z {_g(z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "

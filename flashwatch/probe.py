@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from flashwatch.kernels.common import no_autocast
+
 
 def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
     """R = min(n_rows, batch·n_q) distinct (b, t) pairs, drawn from `generator`."""
@@ -30,23 +32,40 @@ def recompute(q, k, v, b, t, *, causal: bool, scale: float, attn_mask=None, eps:
     bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
     Returns o32 [R, H, D], pk [R, H, D], tied [R, H] bool, row_max [R, H] (fp32).
     """
-    B, H, Nq, _ = q.shape
+    with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
+        return _recompute(q, k, v, b, t, causal, scale, attn_mask, eps)
+
+
+def _recompute(q, k, v, b, t, causal, scale, attn_mask, eps):
+    B, H, Nq, D = q.shape
     Nk = k.shape[2]
-    qr = q[b, :, t].float()  # [R, H, D]
-    kr, vr = k[b].float(), v[b].float()  # [R, H, Nk, D]
-    s = torch.einsum("rhd,rhnd->rhn", qr, kr) * scale
-    if causal:
-        hidden = torch.arange(Nk, device=q.device).view(1, Nk) > t.view(-1, 1).to(q.device)
-        s = s.masked_fill(hidden.unsqueeze(1), -math.inf)
-    if attn_mask is not None:
-        mask = attn_mask.expand(B, H, Nq, Nk)[b, :, t]
-        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.float()
-    row_max = s.amax(-1)
-    thr = (row_max - eps).unsqueeze(-1)
-    tied = ((s >= thr) & (s != -math.inf)).sum(-1) >= 2
-    p = torch.softmax(s, dim=-1)
-    o32 = torch.einsum("rhn,rhnd->rhd", p, vr)
-    pk = torch.einsum("rhn,rhnd->rhd", p, kr)
+    R = len(b)
+    o32 = torch.empty(R, H, v.shape[-1], device=q.device)
+    pk = torch.empty(R, H, D, device=q.device)
+    tied = torch.empty(R, H, dtype=torch.bool, device=q.device)
+    row_max = torch.empty(R, H, device=q.device)
+    mask = None if attn_mask is None else attn_mask.expand(B, H, Nq, Nk)
+    # One batch element at a time: K and V are upcast once per element, not once per
+    # sampled row (64 rows × [H, N, D] in FP32 would be 200 MB per GPT-2 Small layer).
+    for bi in torch.unique(b).tolist():
+        sel = torch.nonzero(b == bi).flatten()
+        ts = t[sel]
+        kb, vb = k[bi].float(), v[bi].float()  # [H, Nk, D]
+        s = torch.matmul(q[bi][:, ts].float(), kb.transpose(-1, -2)) * scale  # [H, r, Nk]
+        if causal:
+            hidden = torch.arange(Nk, device=q.device).view(1, Nk) > ts.view(-1, 1)
+            s = s.masked_fill(hidden, -math.inf)
+        if mask is not None:
+            m = mask[bi][:, ts]
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        mx = s.amax(-1)
+        thr = (mx - eps).unsqueeze(-1)
+        tied[sel] = (((s >= thr) & (s != -math.inf)).sum(-1) >= 2).T
+        # A row with no visible key: zero weights (O = 0, as SDPA's math backend), not NaN.
+        p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(mx).unsqueeze(-1), 0.0)
+        o32[sel] = torch.matmul(p, vb).transpose(0, 1)
+        pk[sel] = torch.matmul(p, kb).transpose(0, 1)
+        row_max[sel] = mx.T
     return o32, pk, tied, row_max
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe
 from flashwatch.config import WatchConfig
-from flashwatch.kernels.common import AttentionStats, Mode
+from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.report import HeadRecord, StepReport
 from flashwatch.signals import HeadSignals
@@ -54,7 +55,6 @@ class _SiteState:
     omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
     x: torch.Tensor | None = None  # input of the Q projection during the current call
-    pushed: bool = False
     warned: set = field(default_factory=set)
     unmitigable: str | None = None  # why its modes could not be applied, if so
     # accumulators of the current monitored step (reset in step())
@@ -137,7 +137,7 @@ class Watcher:
         self._errors_total = 0
         self._error_keys: set = set()
         self._monitor_seconds = 0.0
-        self._current: _SiteState | None = None
+        self._local = threading.local()  # per-thread stack of running watched modules
         self._removed = False
         self._mode = _Interceptor(self)
         self._handles = []
@@ -148,7 +148,6 @@ class Watcher:
             if st.site.q_module is not None:
                 self._handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
-        self._ctx_token = None
 
     # ----------------------------------------------------------------------- public API
 
@@ -192,13 +191,18 @@ class Watcher:
             raise ValueError(f"layer {layer!r} is not watched; watched layers: "
                              f"{[s.site.name for s in self._states]}")
         new = normalize_head_modes(modes, st.site.num_heads)
+        changed = torch.zeros(len(self._heads), dtype=torch.bool)
         for h in range(st.site.num_heads):
             if int(new[h]) != int(st.modes[h]):
+                changed[st.offset + h] = True
                 self._events.append(Event(step=self._step, layer=layer, head=h,
                                           from_mode=Mode(int(st.modes[h])),
                                           to_mode=Mode(int(new[h])), reason="set by user",
                                           applied=True))
         st.modes = new
+        if changed.any():  # judge the new mode on what comes after it only
+            self._signals.reset_window(changed)
+            self._policy.restart(changed)
 
     def step(self) -> StepReport | None:
         """Call once per optimizer step. Returns the report of a monitored step, else None."""
@@ -281,11 +285,12 @@ class Watcher:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for st in self._states:
-            if st.pushed:
+        for _, token, pushed in reversed(self._frames()):  # removed mid-forward
+            if pushed:
                 self._mode.__exit__(None, None, None)
-                st.pushed = False
-        self._current = None
+            if token is not None:
+                _dispatch_mod._INTERCEPT.reset(token)
+        self._frames().clear()
         for sink in self.sinks:
             close = getattr(sink, "close", None)
             if close is not None:
@@ -302,31 +307,52 @@ class Watcher:
 
     # ------------------------------------------------------------------ forward hooks
 
+    def _frames(self) -> list:
+        """This thread's stack of [site, ContextVar token, mode pushed] for the watched
+        modules now running (threads, e.g. nn.DataParallel replicas, never share one)."""
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    @property
+    def _current(self) -> _SiteState | None:
+        frames = self._frames()
+        return frames[-1][0] if frames else None
+
     def _pre_hook(self, st: _SiteState):
         def hook(module, args):
             if self._removed:
                 return
-            self._current = st
-            self._ctx_token = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
-            if self._measuring or self.config.route_all or bool(st.modes.any()):
-                self._mode.__enter__()
-                st.pushed = True
+            frame = [st, None, False]
+            self._frames().append(frame)
+            try:
+                frame[1] = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
+                if self._measuring or self.config.route_all or bool(st.modes.any()):
+                    self._mode.__enter__()
+                    frame[2] = True
+            except Exception as e:
+                self._error(f"forward pre-hook {st.site.name}", e)
         return hook
 
     def _post_hook(self, st: _SiteState):
         def hook(module, args, output):
-            if st.pushed:
-                self._mode.__exit__(None, None, None)
-                st.pushed = False
-            if self._ctx_token is not None:
-                _dispatch_mod._INTERCEPT.reset(self._ctx_token)
-                self._ctx_token = None
-            self._current = None
-            st.x = None
+            frames = self._frames()
+            if not frames or frames[-1][0] is not st:  # its pre-hook ran before remove()
+                return
+            _, token, pushed = frames.pop()
+            try:
+                if pushed:
+                    self._mode.__exit__(None, None, None)
+                if token is not None:
+                    _dispatch_mod._INTERCEPT.reset(token)
+                st.x = None
+            except Exception as e:
+                self._error(f"forward post-hook {st.site.name}", e)
         return hook
 
     def _x_hook(self, st: _SiteState):
-        def hook(module, args):
+        def hook(module, args):  # cannot fail: one attribute store
             if self._measuring and not self._removed and args:
                 st.x = args[0]  # a reference only; rows are taken at the attention call
         return hook
@@ -370,10 +396,19 @@ class Watcher:
         return out
 
     def _make_fw_interceptor(self, st: _SiteState):
-        def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=None,
-                      eps=None, stats=None, backend=None):
-            out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                               beta=beta, eps=eps, backend=backend)
+        def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0,
+                      eps=1e-3, stats=None, backend="auto"):
+            # The caller's mistakes are the caller's errors, exactly as without a watcher.
+            check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
+                         beta=beta, eps=eps, stats=stats)
+            try:
+                out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
+                                   beta=beta, eps=eps, backend=backend)
+            except Exception as e:  # a failure of ours: run the call as it was made
+                self._error(f"routing {st.site.name}", e)
+                return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
+                                               head_modes=head_modes, beta=beta, eps=eps,
+                                               stats=stats, backend=backend)
             if self._measuring:
                 self._safe_probe(st, q, k, v, out, causal, scale, None, True)
             return out
@@ -423,7 +458,7 @@ class Watcher:
         B, H, Nq, D = q.shape
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         out_graph = out  # the gradient hook goes on the tensor autograd sees
-        with torch.no_grad():
+        with torch.no_grad(), no_autocast(q.device):
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
             if k.shape[1] != H:
                 rep = H // k.shape[1]
@@ -461,7 +496,7 @@ class Watcher:
                 return None
             t0 = time.perf_counter()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), no_autocast(grad.device):
                     c = probe.delta_error(grad[b, :, t], o_used, o32)  # [R, H]
                     st.delta_sum += c.sum(0).cpu()
                     st.G += probe.sketch(c, z, y).cpu()

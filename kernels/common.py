@@ -6,6 +6,7 @@ flashwatch (DESIGN.md §2).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from collections.abc import Sequence
@@ -219,3 +220,12 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats):
                 f"AttentionStats.zeros({q.shape[1]})"
             )
     return scale, normalize_head_modes(head_modes, q.shape[1])
+
+
+def no_autocast(device: torch.device):
+    """A context in which the user's torch.autocast is off: FP32 math in the reference and
+    the probe must stay FP32 (under CPU autocast an FP32 matmul otherwise runs in BF16)."""
+    try:
+        return torch.autocast(device_type=device.type, enabled=False)
+    except RuntimeError:  # a device type without autocast
+        return contextlib.nullcontext()

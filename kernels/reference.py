@@ -29,7 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-from .common import ARITHMETICS, GUARD_NATS, MIN_EXCESS, AttentionStats, Mode, check_inputs
+from .common import (
+    ARITHMETICS,
+    GUARD_NATS,
+    MIN_EXCESS,
+    AttentionStats,
+    Mode,
+    check_inputs,
+    no_autocast,
+)
 
 BLOCK_N = 128  # keys per block in the fused arithmetic (a typical Triton BLOCK_N)
 PAPER_BLOCK_N = 512  # keys per block in the paper's implementation
@@ -258,16 +266,22 @@ def _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
             want_ties=True, debug=False, block_n=None) -> ForwardResult:
     """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
-    if arithmetic == "fused":
-        return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                              block_n=block_n or BLOCK_N)
-    return _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                          block_n=block_n or PAPER_BLOCK_N)
+    with no_autocast(q.device):
+        if arithmetic == "fused":
+            return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                                  block_n=block_n or BLOCK_N)
+        return _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
+                              block_n=block_n or PAPER_BLOCK_N)
 
 
 def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, block_n=BLOCK_N,
              block_m=BLOCK_M):
     """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used."""
+    with no_autocast(q.device):
+        return _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m)
+
+
+def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device

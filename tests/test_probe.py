@@ -45,6 +45,31 @@ def test_recompute_matches_fp64_rows(mask_kind):
     assert tied.shape == (20, H) and tied.dtype == torch.bool
 
 
+def test_recompute_ignores_the_users_autocast():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (3 * torch.randn(2, 2, 30, 16, generator=g).bfloat16() for _ in range(3))
+    b, t = probe.sample_rows(g, 2, 30, 12)
+    want = probe.recompute(q, k, v, b, t, causal=True, scale=0.25, eps=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = probe.recompute(q, k, v, b, t, causal=True, scale=0.25, eps=1e-3)
+    for a, w in zip(got, want, strict=True):
+        assert a.dtype == w.dtype and torch.equal(a, w)
+
+
+def test_a_row_with_no_visible_key_gives_zero_not_nan():
+    q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    mask[..., 3, :] = False  # left padding: row 3 sees nothing
+    b, t = torch.zeros(6, dtype=torch.long), torch.arange(6)
+    o32, pk, tied, _ = probe.recompute(q, k, v, b, t, causal=False, scale=1.0,
+                                       attn_mask=mask, eps=1e-3)
+    assert torch.isfinite(o32).all() and torch.isfinite(pk).all()
+    assert (o32[3] == 0).all() and not tied[3].any()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                            scale=1.0)
+    assert torch.allclose(o32.transpose(0, 1)[None], sdpa, atol=1e-6)
+
+
 def test_recompute_counts_planted_ties():
     q = torch.zeros(1, 1, 4, 8)
     q[..., 0] = 1.0

@@ -326,6 +326,24 @@ def test_advise_recommends_without_switching(monkeypatch):
     assert [h.recommended_mode for h in reports[-1].heads[:2]] == [Mode.BETA] * 2
 
 
+def test_a_hand_set_mode_restarts_that_heads_verification(monkeypatch):
+    # "advise" then the user applies BETA: its verification must see only what follows.
+    _biased_kernel(monkeypatch)
+    torch.manual_seed(7)
+    model = _TwoLayers()
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation="advise", min_history=8, patience=2,
+                         verify_steps=8, window=32)
+    w = fw.watch(model, config=cfg)
+    _drive(model, w, 22)
+    assert w.events and w.head_modes()["tied"] == [Mode.STANDARD] * 2
+    w.set_head_modes("tied", [Mode.BETA] * 2)
+    sd = w.state_dict()
+    assert sd["signals"]["fill"][:2].tolist() == [0, 0]  # window emptied
+    assert sd["signals"]["fill"][2:].min() > 0  # the other layer keeps its history
+    assert sd["policy"]["since_switch"][:2].tolist() == [0, 0]
+    assert w.events[-1].reason == "set by user"
+
+
 def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
     class MaskedAttention(nn.Module):
         def __init__(self):
