@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from flashwatch.dispatch import BACKENDS
+
 MITIGATIONS = ("off", "advise", "auto")
-BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,18 @@ class WatchConfig:
       coherence_threshold        default 0.15 (zero-mean: ≈ 1/sqrt(window) = 0.125; a
                                  unit rank-1 bias b·R in k×k noise of std σ per entry
                                  gives ≈ sqrt(W²b² + Wk²σ²) / (W sqrt(b² + k²σ²)) over
-                                 W steps: 0.175 at b = σ, k = 8, W = 64, so 0.3 missed
-                                 biases below b ≈ 2.3σ; tests/test_signals.py)
+                                 W steps: 0.175 at b = σ, k = 8, W = 64; the earlier
+                                 default 0.3 missed biases below b ≈ 2.3σ;
+                                 tests/test_signals.py)
       spectral_growth_threshold  default 0.2
       spectral_growth_factor     default 3.0
       patience        consecutive flagged monitored steps before acting. Default 3.
       min_history     monitored steps of history before any decision. Default 16.
       verify_steps    monitored steps after a switch to BETA before deciding whether the
                       drift decayed; if not, escalate to FP32_O. Default 32.
-      power_iters     warm-started power-iteration steps per monitored step for the
-                      W^Q spectral norm. Default 4.
+      power_iters     the least number of warm-started power-iteration steps per
+                      monitored step for the W^Q spectral norm; it goes on until σ
+                      changes by < 1e-6 (relative), at most 100. Default 4.
     """
 
     every_n_steps: int = 10

@@ -28,8 +28,8 @@ Design:
   scaled score, plain numbers), `_total` for counters, labels `layer` and `head`
   (+ `mode` on flashwatch_mitigations_total), never a step label: the step is its own
   gauge, so the number of series is fixed by the model (heads × metrics).
-- NaN: a metric that was not measured on the latest monitored step (e.g. drift z before
-  the window has two points, δ error of a layer with no backward) is exposed as NaN,
+- NaN: a metric that was not measured on the latest monitored step (e.g. the δ error
+  of a layer with no backward pass) is exposed as NaN,
   which the Prometheus text format allows. NaN compares false in PromQL, so alert rules
   such as `flashwatch_delta_drift_z > 4` stay silent on it, and the series does not
   vanish and reappear (which would break `rate()` and "absent" alerts).
@@ -232,7 +232,7 @@ class PrometheusSink:
             + ", ".join(f"{m.value}={m.name}" for m in Mode) + ".", labels=["layer", "head"])
         mitig = CounterMetricFamily(
             "flashwatch_mitigations", "Mode switches applied by flashwatch's policy, by the "
-            "mode switched to (counts since this process started).",
+            "mode switched to (counted by this exporter since it started).",
             labels=["layer", "head", "mode"])
         step = GaugeMetricFamily("flashwatch_monitor_step",
                                  "Optimizer step of the latest monitored step.")
@@ -241,7 +241,7 @@ class PrometheusSink:
                                  "step, in seconds.")
         errors = CounterMetricFamily("flashwatch_monitor_errors",
                                      "Failures inside flashwatch (never raised into "
-                                     "training) since this process started.")
+                                     "training) over the run; resumes with the watcher.")
         if snap is not None:
             for layer, head, values, m in snap.heads:
                 for g, v in zip(gauges, values, strict=True):
