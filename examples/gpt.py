@@ -24,6 +24,9 @@ class GPTConfig:
     n_embd: int = 64
     bias: bool = True  # biases in Linear and LayerNorm, as in GPT-2
     dropout: float = 0.0
+    # False: no learned position embedding (a "NoPE" model: causal masking alone carries
+    # order). Then repeated tokens have identical keys and tied maxima are common.
+    position_embedding: bool = True
 
 
 class CausalSelfAttention(nn.Module):
@@ -118,7 +121,10 @@ class GPT(nn.Module):
                 "crop the sequence or build the model with a larger block_size"
             )
         pos = torch.arange(T, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        x = self.transformer.wte(idx)
+        if self.config.position_embedding:
+            x = x + self.transformer.wpe(pos)
+        x = self.transformer.drop(x)
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small GPT (examples/gpt.py) on CPU in BF16 autocast with the "
                     "watcher, the JSONL and console sinks and the Prometheus exporter; "
                     "writes a run directory that `flashwatch report` reads.")
-    demo.add_argument("--steps", type=_positive, default=300, help="optimizer steps (300)")
+    demo.add_argument("--steps", type=_positive, default=600, help="optimizer steps (600)")
     demo.add_argument("--seed", type=int, default=0, help="seed for data, model, watcher")
     demo.add_argument("--out", type=Path, default=None,
                       help="run directory (default runs/demo-<time>)")
