@@ -134,6 +134,7 @@ class Watcher:
         self._monitoring = True  # step 0 is monitored
         self._paused = False  # pause(): forward passes are not measured (validation)
         self._events: list = []
+        self._unreported: list = []  # hand-set mode changes not yet in a StepReport
         self._errors_total = 0
         self._error_keys: set = set()
         self._monitor_seconds = 0.0
@@ -195,10 +196,11 @@ class Watcher:
         for h in range(st.site.num_heads):
             if int(new[h]) != int(st.modes[h]):
                 changed[st.offset + h] = True
-                self._events.append(Event(step=self._step, layer=layer, head=h,
-                                          from_mode=Mode(int(st.modes[h])),
-                                          to_mode=Mode(int(new[h])), reason="set by user",
-                                          applied=True))
+                event = Event(step=self._step, layer=layer, head=h,
+                              from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
+                              reason="set by user", applied=True)
+                self._events.append(event)
+                self._unreported.append(event)  # goes out with the next report
         st.modes = new
         if changed.any():  # judge the new mode on what comes after it only
             self._signals.reset_window(changed)
@@ -247,6 +249,7 @@ class Watcher:
             "signals": self._signals.state_dict(),
             "policy": self._policy.state_dict(),
             "events": [e.to_dict() for e in self._events],
+            "unreported": [e.to_dict() for e in self._unreported],
             "errors_total": self._errors_total,
         }
 
@@ -275,6 +278,7 @@ class Watcher:
         self._signals.load_state_dict(sd["signals"])
         self._policy.load_state_dict(sd["policy"])
         self._events = [Event.from_dict(e) for e in sd["events"]]
+        self._unreported = [Event.from_dict(e) for e in sd.get("unreported", [])]
         self._errors_total = int(sd["errors_total"])
 
     def remove(self) -> None:
@@ -574,7 +578,9 @@ class Watcher:
             ))
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
-        return StepReport(step=step, heads=records, events=list(decision.events),
+        events = self._unreported + list(decision.events)
+        self._unreported = []
+        return StepReport(step=step, heads=records, events=events,
                           unmitigable=unmitigable)
 
     # ----------------------------------------------------------------------- errors

@@ -231,7 +231,7 @@ class PrometheusSink:
             "flashwatch_head_mode", "Attention mode applied to the head: "
             + ", ".join(f"{m.value}={m.name}" for m in Mode) + ".", labels=["layer", "head"])
         mitig = CounterMetricFamily(
-            "flashwatch_mitigations", "Mode switches applied by flashwatch's policy, by the "
+            "flashwatch_mitigations", "Mode switches applied (by the policy or by hand), by the "
             "mode switched to (counted by this exporter since it started).",
             labels=["layer", "head", "mode"])
         step = GaugeMetricFamily("flashwatch_monitor_step",

@@ -52,12 +52,12 @@ def test_scrape_has_every_documented_metric_with_labels():
         assert all(not f.samples for f in before.values())
         t.step()
         t.watcher.set_head_modes("transformer.h.1.attn", [Mode.BETA] * 4)
-        report = t.step()
-        # a policy switch as the watcher reports it (set_head_modes is not a policy event)
-        report.events.append(Event(step=report.step, layer="transformer.h.0.attn", head=2,
-                                   from_mode=Mode.STANDARD, to_mode=Mode.FP32_O,
-                                   reason="test", applied=True))
-        sink.write(report)
+        report = t.step()  # carries the 4 hand-set switches of layer 1
+        # then a policy switch as the watcher reports it, in a report of its own
+        sink.write(StepReport(step=report.step, heads=report.heads,
+                              monitor_seconds=report.monitor_seconds, events=[Event(
+            step=report.step, layer="transformer.h.0.attn", head=2,
+            from_mode=Mode.STANDARD, to_mode=Mode.FP32_O, reason="test", applied=True)]))
         families = _scrape(sink.url)
     finally:
         t.watcher.remove()
@@ -76,7 +76,8 @@ def test_scrape_has_every_documented_metric_with_labels():
     mitig = {(s.labels["layer"], s.labels["head"], s.labels["mode"]): s.value
              for s in samples["flashwatch_mitigations_total"]}
     assert mitig[("transformer.h.0.attn", "2", "FP32_O")] == 1
-    assert sum(mitig.values()) == 1 and len(mitig) == 2 * len(HEADS)  # zero-initialised
+    assert all(mitig[("transformer.h.1.attn", str(h), "BETA")] == 1 for h in range(4))
+    assert sum(mitig.values()) == 5 and len(mitig) == 2 * len(HEADS)  # zero-initialised
     assert families["flashwatch_mitigations"].type == "counter"
     assert families["flashwatch_monitor_errors"].type == "counter"
     assert samples["flashwatch_monitor_step"][0].value == 1

@@ -342,6 +342,10 @@ def test_a_hand_set_mode_restarts_that_heads_verification(monkeypatch):
     assert sd["signals"]["fill"][2:].min() > 0  # the other layer keeps its history
     assert sd["policy"]["since_switch"][:2].tolist() == [0, 0]
     assert w.events[-1].reason == "set by user"
+    r = _drive(model, w, 1)[0]  # the hand-set changes go out with the next report
+    assert [(e.layer, e.head, e.reason) for e in r.events[:2]] == [
+        ("tied", 0, "set by user"), ("tied", 1, "set by user")]
+    assert all(e.reason != "set by user" for e in _drive(model, w, 1)[0].events)
 
 
 def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
