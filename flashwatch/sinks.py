@@ -39,6 +39,8 @@ class JsonlSink:
         self._fsync = fsync
 
     def write(self, report: StepReport) -> None:
+        if self._file.closed:  # reused after close(), e.g. by a second Lightning fit()
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._file.write(json.dumps(report.to_dict(), allow_nan=False) + "\n")
         self._file.flush()
         if self._fsync:

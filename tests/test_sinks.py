@@ -33,6 +33,9 @@ def test_jsonl_appends_one_flushed_line_per_report(tmp_path):
     sink.close()
     rows = read_jsonl(path)
     assert [r["step"] for r in rows] == [1, 2]
+    sink.write(_report(3))  # reused after close (a second fit): appends, loses nothing
+    sink.close()
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2, 3]
     head0 = rows[0]["heads"][0]
     assert head0["delta_drift_z"] is None  # NaN written as null, the file stays valid JSON
     assert head0["head_mode"] == "STANDARD"
