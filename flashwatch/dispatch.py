@@ -11,12 +11,15 @@ import contextvars
 import torch
 
 from flashwatch.kernels import ops  # noqa: F401  (registers torch.ops.flashwatch.*)
-from flashwatch.kernels.common import AttentionStats, Mode, check_inputs
+from flashwatch.kernels.common import (
+    TRITON_DTYPES,
+    TRITON_HEAD_DIMS,
+    AttentionStats,
+    Mode,
+    check_inputs,
+)
 
 BACKENDS = ("auto", "reference", "triton")
-# What the Triton kernels take; "auto" falls back to the reference for anything else.
-TRITON_DTYPES = (torch.bfloat16, torch.float16)
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
 
 # Set by a Watcher while one of its attention modules runs, so that calls to
 # flashwatch.attention inside it are attributed to that layer (and get its head modes).
@@ -53,26 +56,18 @@ def _traceable_head_modes(head_modes, num_heads: int) -> torch.Tensor:
 
 
 def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    if backend == "auto":
+    if backend == "auto":  # Triton where it runs natively, the reference for the rest
         triton_ok = (q.device.type == "cuda" and q.dtype in TRITON_DTYPES
                      and q.shape[-1] in TRITON_HEAD_DIMS)
         return "triton" if triton_ok else "reference"
     if backend == "triton":
-        if q.dtype not in TRITON_DTYPES:
-            raise TypeError(
-                f"backend='triton' takes bfloat16 or float16 q, k, v, got {q.dtype}; cast "
-                f"with q.to(torch.bfloat16) or use backend='reference' for float32"
-            )
-        if q.shape[-1] not in TRITON_HEAD_DIMS:
-            raise ValueError(
-                f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got "
-                f"D={q.shape[-1]}; use backend='reference' or pad D"
-            )
-        if q.device.type not in ("cuda", "cpu"):
-            raise RuntimeError(
-                f"backend='triton' runs on CUDA tensors (or CPU under TRITON_INTERPRET=1), "
-                f"got device {q.device}; use backend='reference'"
-            )
+        try:
+            from flashwatch.kernels import triton_attention
+        except ImportError as e:
+            raise RuntimeError(f"backend='triton' needs the triton package ({e}); install "
+                               f"it with `pip install triton`, or use backend='reference'"
+                               ) from e
+        triton_attention.check_usable(q)  # device, dtype and D, with the fix to apply
     return backend
 
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# What the Triton kernels take (the reference takes all SUPPORTED_DTYPES and any D).
+TRITON_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
 ARITHMETICS = ("fused", "paper")
 
 # BETA underflow guard (DESIGN.md §4). The shift may exceed the row max r_m by at most

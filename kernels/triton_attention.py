@@ -41,11 +41,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .common import GUARD_NATS, MIN_EXCESS, Mode
-
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
-TRITON_DTYPES = (torch.bfloat16, torch.float16)
-
+from .common import GUARD_NATS, MIN_EXCESS, TRITON_DTYPES, TRITON_HEAD_DIMS, Mode
 
 # ----------------------------------------------------------------------------------
 # 1. helpers
@@ -579,9 +575,9 @@ def check_usable(q: torch.Tensor) -> None:
             f"backend='triton' takes bfloat16 or float16 q, k, v, got {q.dtype}; cast with "
             f"q.to(torch.bfloat16) or use backend='reference' for float32"
         )
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if q.shape[-1] not in TRITON_HEAD_DIMS:
         raise ValueError(
-            f"backend='triton' supports head dims {SUPPORTED_HEAD_DIMS}, got D={q.shape[-1]}; "
+            f"backend='triton' supports head dims {TRITON_HEAD_DIMS}, got D={q.shape[-1]}; "
             f"use backend='reference' or pad D"
         )
 
