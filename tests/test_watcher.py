@@ -287,15 +287,20 @@ def _drive(model, w, steps, seed=0, vary=False):
     return reports
 
 
-def test_auto_flags_only_the_tied_layer_switches_it_and_escalates(monkeypatch):
+def _planted_watch(monkeypatch, mitigation):
+    """The tied/plain two-layer model on a leaning kernel, watched every step. Identical
+    inputs give identical G each step, so z = sqrt(steps in window): it passes 4 after
+    17 steps, and again 17 steps after a switch resets the window."""
     _biased_kernel(monkeypatch)
     torch.manual_seed(7)
     model = _TwoLayers()
-    # Identical inputs give identical G each step, so z = sqrt(steps in window): it passes
-    # 4 after 17 steps, and again 17 steps after the switch resets the window.
-    cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation=mitigation, min_history=8, patience=2,
                          verify_steps=8, window=32)
-    w = fw.watch(model, config=cfg)
+    return model, fw.watch(model, config=cfg)
+
+
+def test_auto_flags_only_the_tied_layer_switches_it_and_escalates(monkeypatch):
+    model, w = _planted_watch(monkeypatch, "auto")
     reports = _drive(model, w, 45)
     events = w.events
     assert events, "no event"
@@ -314,12 +319,7 @@ def test_auto_flags_only_the_tied_layer_switches_it_and_escalates(monkeypatch):
 
 
 def test_advise_recommends_without_switching(monkeypatch):
-    _biased_kernel(monkeypatch)
-    torch.manual_seed(7)
-    model = _TwoLayers()
-    cfg = fw.WatchConfig(every_n_steps=1, mitigation="advise", min_history=8, patience=2,
-                         window=32)
-    w = fw.watch(model, config=cfg)
+    model, w = _planted_watch(monkeypatch, "advise")
     reports = _drive(model, w, 22)
     assert w.events and not any(e.applied for e in w.events)
     assert w.head_modes()["tied"] == [Mode.STANDARD] * 2
@@ -328,12 +328,7 @@ def test_advise_recommends_without_switching(monkeypatch):
 
 def test_a_hand_set_mode_restarts_that_heads_verification(monkeypatch):
     # "advise" then the user applies BETA: its verification must see only what follows.
-    _biased_kernel(monkeypatch)
-    torch.manual_seed(7)
-    model = _TwoLayers()
-    cfg = fw.WatchConfig(every_n_steps=1, mitigation="advise", min_history=8, patience=2,
-                         verify_steps=8, window=32)
-    w = fw.watch(model, config=cfg)
+    model, w = _planted_watch(monkeypatch, "advise")
     _drive(model, w, 22)
     assert w.events and w.head_modes()["tied"] == [Mode.STANDARD] * 2
     w.set_head_modes("tied", [Mode.BETA] * 2)
