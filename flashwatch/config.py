@@ -28,7 +28,8 @@ class WatchConfig:
     Kernel
       eps             tie tolerance in scaled-score units (DESIGN.md §4). Default 1e-3.
       beta            β of the BETA fix (paper: 2..8). Default 2.0.
-      backend         attention backend for routed calls: "auto" | "reference" | "triton".
+      backend         attention backend for routed calls: "auto" | "reference" | "triton"
+                      | "paper" (see flashwatch.attention). Default "auto".
       route_all       route every watched attention call through flashwatch.attention
                       (exact tie counters on all rows) instead of only layers with a
                       non-STANDARD head. Default False.

@@ -7,7 +7,8 @@
                                        backend) -> (dq, dk, dv)
 
 `backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
-TRITON_INTERPRET=1) or "reference" (kernels/reference.py, any device); the caller
+TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper" (the
+reference in the paper implementation's BF16 arithmetic, for research); the caller
 resolves "auto" (CUDA → Triton, CPU → reference) before calling, so one registered
 implementation serves every device. `modes` is an int tensor [H] of Mode values, read
 on the host (it normally lives on the CPU; see `flashwatch.attention`).
@@ -26,7 +27,7 @@ import torch
 from . import reference
 from .common import normalize_head_modes
 
-OP_BACKENDS = ("reference", "triton")
+OP_BACKENDS = ("reference", "triton", "paper")
 
 
 def _check_backend(backend: str) -> None:
@@ -53,8 +54,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
 
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
                                         beta=beta, eps=eps, want_stats=want_stats)
+    arithmetic = "paper" if backend == "paper" else "fused"
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
-                            eps=eps, want_ties=want_stats)
+                            eps=eps, want_ties=want_stats, arithmetic=arithmetic)
     if res.o32 is None:
         o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
     else:
@@ -87,8 +89,9 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                          scale=scale)
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
+    block_n = reference.PAPER_BLOCK_N if backend == "paper" else reference.BLOCK_N
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
-                                       scale=scale, modes=modes)
+                                       scale=scale, modes=modes, block_n=block_n)
     return dq, dk, dv
 
 

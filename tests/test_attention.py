@@ -70,3 +70,46 @@ def test_user_autocast_does_not_change_the_fp32_math():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = fw.attention(q, k, v, causal=True)
     assert torch.equal(got, want)
+
+
+def test_paper_backend_is_the_reference_in_paper_arithmetic_forward_and_backward():
+    # backend="paper" must run exactly reference.attention(arithmetic="paper"), with its
+    # 512-key backward blocks, and must differ from the fused arithmetic in BF16.
+    modes = [fw.Mode.STANDARD, fw.Mode.BETA, fw.Mode.FP32_O]
+    outs, grads, ties = [], [], []
+    for which in ("paper-backend", "paper-reference", "fused"):
+        q, k, v = (t.requires_grad_() for t in _qkv(shape=(2, 3, 600, 32), seed=3))
+        st = fw.AttentionStats.zeros(3)
+        if which == "paper-backend":
+            o = fw.attention(q, k, v, causal=True, head_modes=modes, stats=st, backend="paper")
+        elif which == "paper-reference":
+            o = R.attention(q, k, v, causal=True, head_modes=modes, stats=st,
+                            arithmetic="paper")
+        else:
+            o = fw.attention(q, k, v, causal=True, head_modes=modes, stats=st)
+        o.float().square().sum().backward()
+        outs.append(o)
+        grads.append([q.grad, k.grad, v.grad])
+        ties.append(st.tied_rows)
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(grads[0], grads[1], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(ties[0], ties[1])
+    assert not torch.equal(outs[0][:, 0], outs[2][:, 0])  # STANDARD heads: other arithmetic
+
+
+def test_watch_config_routes_to_the_paper_backend():
+    from examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, position_embedding=False))
+    x = torch.randint(0, 256, (2, 64))
+    outs = {}
+    for backend in ("paper", "reference"):
+        with fw.watch(model, backend=backend, route_all=True, mitigation="off"), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            outs[backend] = model(x)[0]
+    q, k, v = (torch.randn(2, 4, 64, 16).bfloat16() for _ in range(3))
+    direct = R.attention(q, k, v, causal=True, arithmetic="paper")
+    assert torch.equal(fw.attention(q, k, v, causal=True, backend="paper"), direct)
+    assert not torch.equal(outs["paper"], outs["reference"])  # the watcher used it

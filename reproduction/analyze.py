@@ -1,0 +1,213 @@
+"""Tables and plots of docs/REPRODUCTION.md from the run directories of reproduction.run.
+
+    python -m reproduction.analyze search  --root runs/repro --img docs/img
+    python -m reproduction.analyze compare --root runs/repro --config CONFIG --img docs/img
+
+`search` summarises the unmitigated seed-0 run of every configuration under ROOT (table 1,
+repro_search_loss.png, repro_search_drift.png); `compare` the arms × seeds of one
+configuration (table 2, repro_compare_loss.png, repro_compare_heads.png). Tables are
+printed as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from flashwatch.runreport import load_run
+
+DRIFT_Z = 4.0  # WatchConfig.drift_z_threshold
+
+
+def run_stats(run_dir: Path) -> dict:
+    """The numbers a table row needs, from one run directory."""
+    run = load_run(run_dir)
+    summ = json.loads((run_dir / "summary.json").read_text())
+    ser = run["series"]
+    n = len(run["steps"])
+    tenth = max(1, n // 10)
+
+    def mean(rows):
+        vals = [v for r in rows for v in r if math.isfinite(v)]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    z = [abs(v) for r in ser["delta_drift_z"] for v in r if math.isfinite(v)]
+    coh = [v for r in ser["delta_coherence"] for v in r if math.isfinite(v)]
+    sn = ser["wq_spectral_norm"]
+    growth = [b / a for a, b in zip(sn[0], sn[-1], strict=True) if a > 0]
+    return dict(
+        dir=str(run_dir), config=summ["config"], arm=summ["arm"], seed=summ["seed"],
+        settings=summ["settings"], steps=summ["steps_done"], seconds=summ["seconds"],
+        ties_start=mean(ser["tied_rowmax_ratio"][:tenth]),
+        ties_end=mean(ser["tied_rowmax_ratio"][-tenth:]),
+        max_logit_end=max(v for v in ser["attention_max_logit"][-1] if math.isfinite(v)),
+        max_abs_z=max(z) if z else math.nan,
+        frac_z_over=(sum(v >= DRIFT_Z for v in z) / len(z)) if z else math.nan,
+        max_coherence=max(coh) if coh else math.nan,
+        wq_growth_max=max(growth), wq_growth_median=sorted(growth)[len(growth) // 2],
+        best_loss=summ["best_loss_ema"], final_loss=summ["final_loss_mean_last100"],
+        spike_step=summ["spike_step"],
+        first_alert=(summ["first_alert"] or {}).get("step"),
+        alert_reason=(summ["first_alert"] or {}).get("reason"),
+        flagged=summ["flagged_heads"], top_growth=list(summ["wq_growth_top"]),
+        lead=summ["lead_steps"], overhead=summ["monitored_over_plain"],
+        events=summ["events"], errors=summ["monitor_errors_total"], run=run,
+    )
+
+
+def _f(v, digits=2) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def search(root: Path, img: Path) -> str:
+    rows = [run_stats(d) for d in sorted(root.glob("*/unmitigated-s0"))
+            if (d / "summary.json").is_file()]
+    if not rows:
+        raise SystemExit(f"no {root}/*/unmitigated-s0/summary.json yet")
+    lines = ["| configuration | backend | data | lr | steps | ties start→end | max logit | "
+             "max abs drift z | share z ≥ 4 | max coherence | W^Q growth max / median | "
+             "best → final loss | spike | first alert |",
+             "|" + "---|" * 14]
+    for r in rows:
+        s = r["settings"]
+        lines.append(
+            f"| {r['config']} | {s['backend']} | {s['data']} (V={s['vocab']}) | {s['lr']:g} | "
+            f"{r['steps']} | {_f(r['ties_start'])}→{_f(r['ties_end'])} | "
+            f"{_f(r['max_logit_end'], 1)} | {_f(r['max_abs_z'])} | {_f(r['frac_z_over'], 3)} | "
+            f"{_f(r['max_coherence'])} | {_f(r['wq_growth_max'])} / "
+            f"{_f(r['wq_growth_median'])} | {_f(r['best_loss'])} → {_f(r['final_loss'])} | "
+            f"{_f(r['spike_step'])} | {_f(r['first_alert'])} |")
+    _plot_search(rows, img)
+    return "\n".join(lines)
+
+
+def _plot_search(rows, img: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        loss = r["run"]["loss"]
+        ax.plot([s for s, _ in loss], _ema([v for _, v in loss]), label=r["config"], lw=1)
+    ax.set(xlabel="step", ylabel="training loss (EMA 0.95)", title="Search: unmitigated, seed 0")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img / "repro_search_loss.png", dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for r in rows:
+        z = r["run"]["series"]["delta_drift_z"]
+        ax.plot(r["run"]["steps"], [max((abs(v) for v in row if math.isfinite(v)),
+                                        default=math.nan) for row in z],
+                label=r["config"], lw=1)
+    ax.axhline(DRIFT_Z, color="k", ls="--", lw=0.8, label="alert threshold 4")
+    ax.set(xlabel="step", ylabel="largest |drift z| over heads",
+           title="Search: does any head's δ error keep one sign?")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img / "repro_search_drift.png", dpi=110)
+    plt.close(fig)
+
+
+def _ema(xs, a=0.95):
+    out, e = [], None
+    for x in xs:
+        e = x if e is None else (a * e + (1 - a) * x if math.isfinite(x) else x)
+        out.append(e)
+    return out
+
+
+def compare(root: Path, config: str, img: Path) -> str:
+    dirs = sorted(d for d in (root / config).glob("*-s*") if (d / "summary.json").is_file())
+    if not dirs:
+        raise SystemExit(f"no runs under {root / config}")
+    rows = [run_stats(d) for d in dirs]
+    order = {"unmitigated": 0, "auto": 1, "fp32_o": 2, "beta": 3}
+    rows.sort(key=lambda r: (order[r["arm"]], r["seed"]))
+    lines = ["| arm | seed | best → final loss | spike step | first alert (reason) | lead | "
+             "heads flagged | top W^Q growth heads | flagged ∩ top growth | max abs z | "
+             "W^Q growth max | monitored / plain step |",
+             "|" + "---|" * 12]
+    for r in rows:
+        flagged = ", ".join(_short(h) for h in r["flagged"]) or "none"
+        top = ", ".join(_short(h) for h in r["top_growth"][:2])
+        both = len(set(r["flagged"]) & set(r["top_growth"]))
+        lines.append(
+            f"| {r['arm']} | {r['seed']} | {_f(r['best_loss'])} → {_f(r['final_loss'])} | "
+            f"{_f(r['spike_step'])} | {_f(r['first_alert'])} ({r['alert_reason'] or '–'}) | "
+            f"{_f(r['lead'])} | {flagged} | {top} | {both} | {_f(r['max_abs_z'])} | "
+            f"{_f(r['wq_growth_max'])} | {_f(r['overhead'])} |")
+    _plot_compare(rows, config, img)
+    return "\n".join(lines)
+
+
+def _short(head: str) -> str:
+    return head.replace("transformer.", "").replace(".attn", "")
+
+
+def _plot_compare(rows, config: str, img: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    colors = {"unmitigated": "tab:red", "auto": "tab:blue", "fp32_o": "tab:green",
+              "beta": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    seen = set()
+    for r in rows:
+        loss = r["run"]["loss"]
+        ax.plot([s for s, _ in loss], _ema([v for _, v in loss]), color=colors[r["arm"]],
+                lw=1, alpha=0.8, label=None if r["arm"] in seen else r["arm"])
+        seen.add(r["arm"])
+    ax.set(xlabel="step", ylabel="training loss (EMA 0.95)",
+           title=f"{config}: four arms × seeds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(img / "repro_compare_loss.png", dpi=110)
+    plt.close(fig)
+    # Unmitigated seed 0: W^Q norm and drift z per head; flagged heads in colour.
+    r = next((x for x in rows if x["arm"] == "unmitigated"), rows[0])
+    run, flagged = r["run"], set(r["flagged"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (layer, h) in enumerate(run["heads"]):
+        name = f"{layer}/{h}"
+        kw = dict(lw=1.4, label=_short(name)) if name in flagged else dict(color="0.7", lw=0.7)
+        a1.plot(run["steps"], [row[i] for row in run["series"]["wq_spectral_norm"]], **kw)
+        a2.plot(run["steps"], [row[i] for row in run["series"]["delta_drift_z"]], **kw)
+    a1.set(xlabel="step", ylabel="W^Q spectral norm", title="W^Q spectral norm per head")
+    a2.axhline(DRIFT_Z, color="k", ls="--", lw=0.8)
+    a2.axhline(-DRIFT_Z, color="k", ls="--", lw=0.8)
+    a2.set(xlabel="step", ylabel="drift z", title="δ drift z per head (flagged in colour)")
+    if flagged:
+        a1.legend(fontsize=7)
+    fig.suptitle(f"{config}, unmitigated seed {r['seed']}")
+    fig.tight_layout()
+    fig.savefig(img / "repro_compare_heads.png", dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m reproduction.analyze", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=("search", "compare"))
+    p.add_argument("--root", type=Path, default=Path("runs/repro"))
+    p.add_argument("--config")
+    p.add_argument("--img", type=Path, default=Path("docs/img"))
+    a = p.parse_args(argv)
+    if a.what == "compare" and not a.config:
+        p.error("compare needs --config")
+    print(search(a.root, a.img) if a.what == "search" else compare(a.root, a.config, a.img))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
