@@ -15,7 +15,8 @@ FlashAttention-2 kernel's arithmetic), so all four arms use the same kernel and
 differ only in head modes.
 
 The run directory: train.jsonl (step, loss, grad norm, seconds, monitored), the
-watcher's flashwatch.jsonl, summary.json (settings, outcome, alert, heads).
+watcher's flashwatch.jsonl, summary.json (settings, outcome, alert, heads), model.pt
+(the final weights).
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ CONFIGS = {
     "repeat-v32": dict(data="repeat", vocab=32, lr=1e-2, weight_decay=0.0),
     "repeat-v32-fused": dict(data="repeat", vocab=32, lr=1e-2, weight_decay=0.0,
                              backend="reference"),
+    # 256-token rows (4× the keys per row: more ties, larger BF16 running sums in the
+    # paper arithmetic), batch 4 to keep the step time near 1 s on one core.
+    "long-grammar": dict(block=256, batch=4, steps=1200),
+    "long-uniform-v16": dict(block=256, batch=4, steps=1200, data="uniform", vocab=16,
+                             lr=1e-2, weight_decay=0.0),
+    "long-repeat-v32-hot": dict(block=256, batch=4, steps=1200, data="repeat", vocab=32,
+                                lr=1e-2, weight_decay=0.0),
+    # As uniform-v16 in the fused arithmetic: is the W^Q growth there numerical?
+    "uniform-v16-fused": dict(data="uniform", vocab=16, lr=1e-2, weight_decay=0.0,
+                              backend="reference"),
+    # 4 symbols: ~16 copies of each token per 64-token row, so most rows are exactly tied.
+    "uniform-v4": dict(data="uniform", vocab=4, lr=1e-2, weight_decay=0.0),
+    # Pushed towards instability: lr 3e-2, no weight decay, no gradient clipping.
+    "nope-grammar-hotter": dict(lr=3e-2, weight_decay=0.0, clip=1e9),
+    # The demo's setting run 4× longer (the paper's failure took thousands of steps).
+    "nope-grammar-6k": dict(steps=6000),
 }
 
 SPIKE_NATS = 1.0  # a spike: the loss EMA rises this far above its best value so far
@@ -211,6 +228,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
         "final_modes": {k: [m.name for m in v] for k, v in watcher.head_modes().items()},
     }
     watcher.remove()
+    torch.save(model.state_dict(), out / "model.pt")  # for reproduction.grad_error
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

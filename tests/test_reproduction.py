@@ -107,3 +107,45 @@ def test_analyze_tables_and_plots(tiny_runs, tmp_path):
     assert (tmp_path / "repro_compare_heads.png").stat().st_size > 1000
     with pytest.raises(SystemExit, match="no runs"):
         analyze.compare(root, "other", tmp_path)
+
+
+def test_grad_error_changes_only_delta_between_its_two_backwards():
+    # dV = Pᵀ dO does not involve δ, so it must be bit-identical; dQ and dK must differ
+    # (the BF16 O of a paper-arithmetic forward is not the FP32 O).
+    import torch
+
+    from reproduction.grad_error import _PaperAttention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 48, 16, generator=g).bfloat16() for _ in range(3))
+    do = torch.randn(2, 2, 48, 16, generator=g).bfloat16()
+    grads = []
+    for fp32 in (False, True):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = _PaperAttention.apply(qq, kk, vv)
+        _PaperAttention.fp32_delta = fp32
+        o.backward(do)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    _PaperAttention.fp32_delta = False
+    assert torch.equal(grads[0][2], grads[1][2])
+    assert not torch.equal(grads[0][0], grads[1][0])
+    assert not torch.equal(grads[0][1], grads[1][1])
+
+
+def test_grad_error_measures_every_head_with_bounded_statistics():
+    import torch
+
+    from examples.gpt import GPT, GPTConfig
+    from reproduction.grad_error import measure
+
+    s = R.settings_for("uniform-v4", dict(TINY))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=4, n_layer=1, n_head=2, n_embd=32,
+                          position_embedding=False))
+    rows = measure(model, R.make_data(s, 0), s, batches=3, seed=0)
+    assert [(r["layer"], r["head"]) for r in rows] == [(0, 0), (0, 1)]
+    for r in rows:
+        assert 0 < r["rel_error"] < 0.1  # BF16 δ error: small but not zero
+        assert 0 < r["coherence"] <= 1 + 1e-9
+        assert -1 - 1e-9 <= r["align_sigma"] <= 1 + 1e-9
+        assert r["tied"] > 0.5  # 4 symbols, no position embedding: most rows tie
