@@ -5,7 +5,8 @@
 
 `search` summarises the unmitigated seed-0 run of every configuration under ROOT (table 1,
 repro_search_loss.png, repro_search_drift.png); `compare` the arms × seeds of one
-configuration (table 2, repro_compare_loss.png, repro_compare_heads.png). Tables are
+configuration (table 2, repro_compare_loss.png, repro_compare_growth.png,
+repro_compare_heads.png). Tables are
 printed as Markdown.
 """
 
@@ -34,27 +35,38 @@ def run_stats(run_dir: Path) -> dict:
         return sum(vals) / len(vals) if vals else math.nan
 
     z = [abs(v) for r in ser["delta_drift_z"] for v in r if math.isfinite(v)]
-    coh = [v for r in ser["delta_coherence"] for v in r if math.isfinite(v)]
+    # Coherence is not scale-free: one large early G dominates a window and pushes it to
+    # ≈ 1. Report it where training has settled: the last monitored step.
+    coh = [v for v in ser["delta_coherence"][-1] if math.isfinite(v)]
     sn = ser["wq_spectral_norm"]
-    growth = [b / a for a, b in zip(sn[0], sn[-1], strict=True) if a > 0]
+    growth = [b / a for a, b in zip(sn[0], sn[-1], strict=True) if a > 0 and math.isfinite(b)]
     return dict(
         dir=str(run_dir), config=summ["config"], arm=summ["arm"], seed=summ["seed"],
         settings=summ["settings"], steps=summ["steps_done"], seconds=summ["seconds"],
         ties_start=mean(ser["tied_rowmax_ratio"][:tenth]),
         ties_end=mean(ser["tied_rowmax_ratio"][-tenth:]),
-        max_logit_end=max(v for v in ser["attention_max_logit"][-1] if math.isfinite(v)),
+        max_logit_end=max((v for v in ser["attention_max_logit"][-1] if math.isfinite(v)),
+                          default=math.nan),
         max_abs_z=max(z) if z else math.nan,
         frac_z_over=(sum(v >= DRIFT_Z for v in z) / len(z)) if z else math.nan,
         max_coherence=max(coh) if coh else math.nan,
-        wq_growth_max=max(growth), wq_growth_median=sorted(growth)[len(growth) // 2],
+        wq_growth_max=max(growth, default=math.nan),
+        wq_growth_median=sorted(growth)[len(growth) // 2] if growth else math.nan,
         best_loss=summ["best_loss_ema"], final_loss=summ["final_loss_mean_last100"],
         spike_step=summ["spike_step"],
         first_alert=(summ["first_alert"] or {}).get("step"),
-        alert_reason=(summ["first_alert"] or {}).get("reason"),
+        alert_reason=_kind((summ["first_alert"] or {}).get("reason")),
         flagged=summ["flagged_heads"], top_growth=list(summ["wq_growth_top"]),
         lead=summ["lead_steps"], overhead=summ["monitored_over_plain"],
         events=summ["events"], errors=summ["monitor_errors_total"], run=run,
     )
+
+
+def _kind(reason: str | None) -> str | None:
+    """Which rule of the policy raised an alert: the δ drift or the W^Q growth."""
+    if reason is None:
+        return None
+    return "drift" if "drift" in reason else "W^Q growth" if "spectral" in reason else reason
 
 
 def _f(v, digits=2) -> str:
@@ -69,8 +81,8 @@ def search(root: Path, img: Path) -> str:
     if not rows:
         raise SystemExit(f"no {root}/*/unmitigated-s0/summary.json yet")
     lines = ["| configuration | backend | data | lr | steps | ties start→end | max logit | "
-             "max abs drift z | share z ≥ 4 | max coherence | W^Q growth max / median | "
-             "best → final loss | spike | first alert |",
+             "max abs drift z | share z ≥ 4 | coherence at the end (max head) | "
+             "W^Q growth max / median | best → final loss | spike | first alert (rule) |",
              "|" + "---|" * 14]
     for r in rows:
         s = r["settings"]
@@ -80,7 +92,7 @@ def search(root: Path, img: Path) -> str:
             f"{_f(r['max_logit_end'], 1)} | {_f(r['max_abs_z'])} | {_f(r['frac_z_over'], 3)} | "
             f"{_f(r['max_coherence'])} | {_f(r['wq_growth_max'])} / "
             f"{_f(r['wq_growth_median'])} | {_f(r['best_loss'])} → {_f(r['final_loss'])} | "
-            f"{_f(r['spike_step'])} | {_f(r['first_alert'])} |")
+            f"{_f(r['spike_step'])} | {_f(r['first_alert'])} ({r['alert_reason'] or '–'}) |")
     _plot_search(rows, img)
     return "\n".join(lines)
 
@@ -133,8 +145,8 @@ def compare(root: Path, config: str, img: Path) -> str:
     rows.sort(key=lambda r: (order[r["arm"]], r["seed"]))
     lines = ["| arm | seed | best → final loss | spike step | first alert (reason) | lead | "
              "heads flagged | top W^Q growth heads | flagged ∩ top growth | max abs z | "
-             "W^Q growth max | monitored / plain step |",
-             "|" + "---|" * 12]
+             "W^Q growth max | max logit | monitored / plain step |",
+             "|" + "---|" * 13]
     for r in rows:
         flagged = ", ".join(_short(h) for h in r["flagged"]) or "none"
         top = ", ".join(_short(h) for h in r["top_growth"][:2])
@@ -143,7 +155,7 @@ def compare(root: Path, config: str, img: Path) -> str:
             f"| {r['arm']} | {r['seed']} | {_f(r['best_loss'])} → {_f(r['final_loss'])} | "
             f"{_f(r['spike_step'])} | {_f(r['first_alert'])} ({r['alert_reason'] or '–'}) | "
             f"{_f(r['lead'])} | {flagged} | {top} | {both} | {_f(r['max_abs_z'])} | "
-            f"{_f(r['wq_growth_max'])} | {_f(r['overhead'])} |")
+            f"{_f(r['wq_growth_max'])} | {_f(r['max_logit_end'], 0)} | {_f(r['overhead'])} |")
     _plot_compare(rows, config, img)
     return "\n".join(lines)
 
@@ -173,6 +185,26 @@ def _plot_compare(rows, config: str, img: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(img / "repro_compare_loss.png", dpi=110)
+    plt.close(fig)
+    # Largest W^Q spectral norm over heads, per run: does removing the δ error (FP32_O)
+    # or the ties (BETA) change the growth?
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    seen = set()
+    for r in rows:
+        run = r["run"]
+        label = None if r["arm"] in seen else r["arm"]
+        seen.add(r["arm"])
+        a1.plot(run["steps"], [max(row) for row in run["series"]["wq_spectral_norm"]],
+                color=colors[r["arm"]], lw=1, alpha=0.8, label=label)
+        a2.plot(run["steps"], [max((v for v in row if math.isfinite(v)), default=math.nan)
+                               for row in run["series"]["attention_max_logit"]],
+                color=colors[r["arm"]], lw=1, alpha=0.8)
+    a1.set(xlabel="step", ylabel="largest W^Q spectral norm over heads")
+    a2.set(xlabel="step", ylabel="largest attention logit over heads", yscale="log")
+    a1.legend()
+    fig.suptitle(f"{config}: W^Q and logit growth per arm")
+    fig.tight_layout()
+    fig.savefig(img / "repro_compare_growth.png", dpi=110)
     plt.close(fig)
     # Unmitigated seed 0: W^Q norm and drift z per head; flagged heads in colour.
     r = next((x for x in rows if x["arm"] == "unmitigated"), rows[0])

@@ -104,7 +104,8 @@ def test_analyze_tables_and_plots(tiny_runs, tmp_path):
     rows = [r for r in table.splitlines()[2:]]
     assert [r.split("|")[1].strip() for r in rows] == ["unmitigated", "auto", "fp32_o",
                                                       "beta"]
-    assert (tmp_path / "repro_compare_heads.png").stat().st_size > 1000
+    for name in ("repro_compare_heads.png", "repro_compare_growth.png", "repro_compare_loss.png"):
+        assert (tmp_path / name).stat().st_size > 1000
     with pytest.raises(SystemExit, match="no runs"):
         analyze.compare(root, "other", tmp_path)
 
