@@ -20,6 +20,7 @@ from pathlib import Path
 from flashwatch.runreport import load_run
 
 DRIFT_Z = 4.0  # WatchConfig.drift_z_threshold
+LOGIT = 100.0  # a QK-clip style signal, not part of flashwatch's policy: for comparison
 
 
 def run_stats(run_dir: Path) -> dict:
@@ -38,10 +39,15 @@ def run_stats(run_dir: Path) -> dict:
     # Coherence is not scale-free: one large early G dominates a window and pushes it to
     # ≈ 1. Report it where training has settled: the last monitored step.
     coh = [v for v in ser["delta_coherence"][-1] if math.isfinite(v)]
-    sn = ser["wq_spectral_norm"]
-    growth = [b / a for a, b in zip(sn[0], sn[-1], strict=True) if a > 0 and math.isfinite(b)]
+    # growth up to the last report with every norm finite (a diverged run ends in NaN)
+    sn = [row for row in ser["wq_spectral_norm"] if all(math.isfinite(v) for v in row)]
+    growth = [b / a for a, b in zip(sn[0], sn[-1], strict=True) if a > 0]
+    logit_step = next((st for st, row in zip(run["steps"], ser["attention_max_logit"],
+                                             strict=True)
+                       if any(v > LOGIT for v in row if math.isfinite(v))), None)
     return dict(
-        dir=str(run_dir), config=summ["config"], arm=summ["arm"], seed=summ["seed"],
+        dir=str(run_dir), logit_step=logit_step, config=summ["config"], arm=summ["arm"],
+        seed=summ["seed"],
         settings=summ["settings"], steps=summ["steps_done"], seconds=summ["seconds"],
         ties_start=mean(ser["tied_rowmax_ratio"][:tenth]),
         ties_end=mean(ser["tied_rowmax_ratio"][-tenth:]),
@@ -141,12 +147,12 @@ def compare(root: Path, config: str, img: Path) -> str:
     if not dirs:
         raise SystemExit(f"no runs under {root / config}")
     rows = [run_stats(d) for d in dirs]
-    order = {"unmitigated": 0, "auto": 1, "fp32_o": 2, "beta": 3}
+    order = {"unmitigated": 0, "auto": 1, "fp32_o": 2, "beta": 3, "fp32_delta": 4}
     rows.sort(key=lambda r: (order[r["arm"]], r["seed"]))
     lines = ["| arm | seed | best → final loss | spike step | first alert (reason) | lead | "
              "heads flagged | top W^Q growth heads | flagged ∩ top growth | max abs z | "
-             "W^Q growth max | max logit | monitored / plain step |",
-             "|" + "---|" * 13]
+             "W^Q growth max | max logit | first logit > 100 | monitored / plain step |",
+             "|" + "---|" * 14]
     for r in rows:
         flagged = ", ".join(_short(h) for h in r["flagged"]) or "none"
         top = ", ".join(_short(h) for h in r["top_growth"][:2])
@@ -155,7 +161,8 @@ def compare(root: Path, config: str, img: Path) -> str:
             f"| {r['arm']} | {r['seed']} | {_f(r['best_loss'])} → {_f(r['final_loss'])} | "
             f"{_f(r['spike_step'])} | {_f(r['first_alert'])} ({r['alert_reason'] or '–'}) | "
             f"{_f(r['lead'])} | {flagged} | {top} | {both} | {_f(r['max_abs_z'])} | "
-            f"{_f(r['wq_growth_max'])} | {_f(r['max_logit_end'], 0)} | {_f(r['overhead'])} |")
+            f"{_f(r['wq_growth_max'])} | {_f(r['max_logit_end'], 0)} | {_f(r['logit_step'])} | "
+            f"{_f(r['overhead'])} |")
     _plot_compare(rows, config, img)
     return "\n".join(lines)
 
@@ -172,7 +179,7 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 
     img.mkdir(parents=True, exist_ok=True)
     colors = {"unmitigated": "tab:red", "auto": "tab:blue", "fp32_o": "tab:green",
-              "beta": "tab:purple"}
+              "beta": "tab:purple", "fp32_delta": "tab:orange"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     seen = set()
     for r in rows:

@@ -12,8 +12,9 @@ paper says piles up. Per head it reports:
   rel_error    mean ‖Δ‖ / mean ‖dW^Q‖: how large the error is next to the gradient
   coherence    ‖Σ Δ‖ / Σ ‖Δ‖ over the batches: 1 if Δ points the same way every time,
                ≈ 1/sqrt(batches) if its direction is random
-  bias_noise   ‖mean Δ‖ / rms ‖dW^Q - mean dW^Q‖: the persistent part of the error
-               against the batch-to-batch noise of the gradient (what Adam divides by)
+  bias_noise   ‖mean Δ‖ / rms ‖g - mean g‖ with g the gradient training used (BF16 δ):
+               the error's mean against the batch-to-batch noise Adam divides by. With
+               no persistent part it is ≈ ‖Δ‖/(‖g‖·sqrt(batches)) from sampling alone
   align_sigma  ⟨mean Δ, u₁v₁ᵀ⟩ / ‖mean Δ‖ with (u₁, v₁) W^Q's top singular pair: > 0
                means the error, applied by training, grows the spectral norm
   tied         tied-rowmax ratio of the head on these batches
@@ -27,54 +28,10 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from examples.gpt import GPT, GPTConfig
-from flashwatch.kernels import reference
-from flashwatch.kernels.common import Mode
+from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 from reproduction.run import make_data, settings_for
-
-
-class _PaperAttention(torch.autograd.Function):
-    """Causal attention in the paper arithmetic whose backward takes δ from the BF16 O
-    or, when `fp32_delta` is set at backward time, from an FP32 recomputation."""
-
-    fp32_delta = False
-    tied: list = []
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        H, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        std = torch.zeros(H, dtype=torch.int32)
-        res = reference.forward(q, k, v, causal=True, scale=scale, modes=std, beta=2.0,
-                                eps=1e-3, arithmetic="paper")
-        hp = reference.forward(q.float(), k.float(), v.float(), causal=True, scale=scale,
-                               modes=std, beta=2.0, eps=1e-3, want_ties=False)
-        _PaperAttention.tied.append(res.tied_rows.double() / res.rows)
-        ctx.save_for_backward(q, k, v, res.o, res.lse, hp.o)
-        ctx.scale = scale
-        return res.o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, o32 = ctx.saved_tensors
-        H = q.shape[1]
-        if _PaperAttention.fp32_delta:
-            modes, o32_arg = torch.full((H,), int(Mode.FP32_O), dtype=torch.int32), o32
-        else:
-            modes, o32_arg = torch.zeros(H, dtype=torch.int32), None
-        dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_arg, lse, causal=True,
-                                           scale=ctx.scale, modes=modes,
-                                           block_n=reference.PAPER_BLOCK_N)
-        return dq, dk, dv
-
-
-class _Route(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            return _PaperAttention.apply(*args[:3])
-        return func(*args, **(kwargs or {}))
 
 
 def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) -> list[dict]:
@@ -83,7 +40,7 @@ def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) ->
     layers = [blk.attn for blk in model.transformer.h]
     gen = torch.Generator().manual_seed(seed + 12345)  # batches unlike training's
     deltas, grads = [], []  # per batch: [L, H, D, C]
-    _PaperAttention.tied = []
+    Fp32DeltaAttention.tied, Fp32DeltaAttention.record_ties = [], True
 
     def wq_grads():
         return torch.stack([a.c_attn.weight.grad[:C].view(H, D, C).clone() for a in layers])
@@ -93,26 +50,29 @@ def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) ->
         x = torch.stack([data[i:i + s["block"]] for i in ix])
         y = torch.stack([data[i + 1:i + s["block"] + 1] for i in ix])
         model.zero_grad(set_to_none=True)
-        with _Route(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with RouteSDPA(), torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(x, y)
-        _PaperAttention.fp32_delta = False
+        Fp32DeltaAttention.fp32_delta = False
         loss.backward(retain_graph=True)
         g_lp = wq_grads()
         model.zero_grad(set_to_none=True)
-        _PaperAttention.fp32_delta = True
+        Fp32DeltaAttention.fp32_delta = True
         loss.backward()
         g_hp = wq_grads()
         deltas.append((g_hp - g_lp).double())
-        grads.append(g_hp.double())
-    Dl, G = torch.stack(deltas), torch.stack(grads)  # [T, L, H, D, C]
-    tied = torch.stack(_PaperAttention.tied).view(batches, len(layers), H).mean(0)
+        grads.append((g_hp.double(), g_lp.double()))
+    Dl = torch.stack(deltas)  # [T, L, H, D, C]
+    G = torch.stack([hp for hp, _ in grads])
+    Glp = torch.stack([lp for _, lp in grads])
+    Fp32DeltaAttention.fp32_delta = Fp32DeltaAttention.record_ties = False
+    tied = torch.stack(Fp32DeltaAttention.tied).view(batches, len(layers), H).mean(0)
     out = []
     for li, attn in enumerate(layers):
         wq = attn.c_attn.weight.detach()[:C].view(H, D, C).double()
         for h in range(H):
-            d, g = Dl[:, li, h], G[:, li, h]
+            d, g, glp = Dl[:, li, h], G[:, li, h], Glp[:, li, h]
             mean_d = d.mean(0)
-            noise = (g - g.mean(0)).flatten(1).norm(dim=1).square().mean().sqrt()
+            noise = (glp - glp.mean(0)).flatten(1).norm(dim=1).square().mean().sqrt()
             u, _, vh = torch.linalg.svd(wq[h])
             top = torch.outer(u[:, 0], vh[0])
             out.append(dict(
@@ -157,8 +117,13 @@ def main(argv=None) -> int:
         print(f"| {r['layer']}/{r['head']} | {r['tied']:.2f} | {r['wq_sigma']:.2f} | "
               f"{r['rel_error']:.2e} | {r['coherence']:.3f} | {r['bias_noise']:.2e} | "
               f"{r['align_sigma']:+.2f} |")
-    print(f"random-direction coherence for {a.batches} batches ≈ "
-          f"{1 / math.sqrt(a.batches):.3f}")
+    rand = 1 / math.sqrt(a.batches)
+    med = sorted(r["rel_error"] for r in rows)[len(rows) // 2]
+    coh = sorted(r["coherence"] for r in rows)[len(rows) // 2]
+    high = sum(r["coherence"] > 2 * rand for r in rows)
+    print(f"random-direction coherence for {a.batches} batches ≈ {rand:.3f}; median "
+          f"rel_error {med:.2e}, median coherence {coh:.3f}, heads with coherence > "
+          f"{2 * rand:.3f}: {high}/{len(rows)}")
     return 0
 
 

@@ -9,10 +9,14 @@ document names the command that reruns it. Arms:
   auto         mitigation="auto": flagged heads move to BETA, then FP32_O if needed
   fp32_o       every head FP32_O from step 0 (δ from O kept in FP32)
   beta         every head BETA from step 0 (the paper's fix)
+  fp32_delta   the paper's diagnosis: the same forward as unmitigated, but the backward
+               takes δ from an FP32 recomputation of O (reproduction/fp32_delta.py);
+               paper backend only. The watcher measures SDPA's output here, so its δ
+               metrics describe the forward's O, not the δ training used.
 Attention runs through the watcher with route_all=True on the configuration's backend
 ("paper": the BF16 arithmetic of the paper's implementation; "reference": a fused
-FlashAttention-2 kernel's arithmetic), so all four arms use the same kernel and
-differ only in head modes.
+FlashAttention-2 kernel's arithmetic), so the arms use the same kernel and differ only
+in head modes (fp32_delta: only in δ).
 
 The run directory: train.jsonl (step, loss, grad norm, seconds, monitored), the
 watcher's flashwatch.jsonl, summary.json (settings, outcome, alert, heads), model.pt
@@ -22,6 +26,7 @@ watcher's flashwatch.jsonl, summary.json (settings, outcome, alert, heads), mode
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -36,8 +41,9 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch.demo import make_corpus
 from flashwatch.sinks import JsonlSink
+from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 
-ARMS = ("unmitigated", "auto", "fp32_o", "beta")
+ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta")
 
 # Defaults shared by every configuration; a configuration overrides some of them.
 BASE = dict(n_layer=4, n_head=4, n_embd=64, block=64, batch=8, position_embedding=False,
@@ -75,6 +81,9 @@ CONFIGS = {
     "uniform-v4": dict(data="uniform", vocab=4, lr=1e-2, weight_decay=0.0),
     # Pushed towards instability: lr 3e-2, no weight decay, no gradient clipping.
     "nope-grammar-hotter": dict(lr=3e-2, weight_decay=0.0, clip=1e9),
+    # Same, fused arithmetic: does the kernel's arithmetic matter for its spikes?
+    "nope-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
+                                      backend="reference"),
     # The demo's setting run 4× longer (the paper's failure took thousands of steps).
     "nope-grammar-6k": dict(steps=6000),
 }
@@ -137,6 +146,9 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     if arm not in ARMS:
         raise ValueError(f"--arm {arm!r} is not one of {ARMS}")
     s = settings_for(config, overrides)
+    if arm == "fp32_delta" and s["backend"] != "paper":
+        raise ValueError(f"arm 'fp32_delta' needs the paper backend; configuration "
+                         f"{config!r} uses backend {s['backend']!r}")
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,7 +163,9 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     mitigation = "auto" if arm == "auto" else "advise"
     watcher = fw.watch(model, sinks=[JsonlSink(out / "flashwatch.jsonl")],
                        mitigation=mitigation, every_n_steps=s["every"], seed=seed,
-                       backend=s["backend"], route_all=True)
+                       backend=s["backend"], route_all=arm != "fp32_delta")
+    route = RouteSDPA() if arm == "fp32_delta" else contextlib.nullcontext()
+    Fp32DeltaAttention.fp32_delta = arm == "fp32_delta"
     if arm in ("fp32_o", "beta"):
         mode = fw.Mode.FP32_O if arm == "fp32_o" else fw.Mode.BETA
         for layer, modes in watcher.head_modes().items():
@@ -170,7 +184,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
             ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
             x = torch.stack([data[i:i + T] for i in ix])
             y = torch.stack([data[i + 1:i + T + 1] for i in ix])
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with route, torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, y)
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), s["clip"]))
@@ -200,6 +214,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
                       file=stream, flush=True)
             if not math.isfinite(loss_v):
                 break
+    Fp32DeltaAttention.fp32_delta = False
     seconds = time.perf_counter() - t_start
     spike = first_spike(losses, s["warmup"])
     growth = {k: v[-1][1] / v[0][1] for k, v in spectral.items() if v and v[0][1] > 0}

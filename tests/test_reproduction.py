@@ -39,6 +39,8 @@ def test_unknown_configuration_and_arm_are_named():
         R.settings_for("no-such")
     with pytest.raises(ValueError, match="bogus"):
         R.run("nope-grammar", "bogus", 0, None)
+    with pytest.raises(ValueError, match="paper backend"):
+        R.run("nope-grammar-fused", "fp32_delta", 0, None)
 
 
 def test_data_kinds_have_what_their_names_say():
@@ -91,6 +93,13 @@ def test_arms_share_data_and_init_so_only_the_modes_differ(tiny_runs):
         return json.loads(line)["loss"]
     # step 0 runs before any mode could change (auto acts from step 1 at the earliest):
     assert first_loss("unmitigated") == first_loss("auto")
+    # fp32_delta keeps the forward exactly and changes only δ, hence the later steps
+    assert first_loss("fp32_delta") == first_loss("unmitigated")
+
+    def last_loss(arm):
+        lines = (root / "nope-grammar" / f"{arm}-s0" / "train.jsonl").read_text().split("\n")
+        return json.loads(lines[-2])["loss"]
+    assert last_loss("fp32_delta") != last_loss("unmitigated")
     # BETA changes the arithmetic of step 0 already, but not the loss by more than BF16
     assert first_loss("beta") == pytest.approx(first_loss("unmitigated"), abs=0.05)
 
@@ -103,7 +112,7 @@ def test_analyze_tables_and_plots(tiny_runs, tmp_path):
     table = analyze.compare(root, "nope-grammar", tmp_path)
     rows = [r for r in table.splitlines()[2:]]
     assert [r.split("|")[1].strip() for r in rows] == ["unmitigated", "auto", "fp32_o",
-                                                      "beta"]
+                                                      "beta", "fp32_delta"]
     for name in ("repro_compare_heads.png", "repro_compare_growth.png", "repro_compare_loss.png"):
         assert (tmp_path / name).stat().st_size > 1000
     with pytest.raises(SystemExit, match="no runs"):
@@ -115,7 +124,7 @@ def test_grad_error_changes_only_delta_between_its_two_backwards():
     # (the BF16 O of a paper-arithmetic forward is not the FP32 O).
     import torch
 
-    from reproduction.grad_error import _PaperAttention
+    from reproduction.fp32_delta import Fp32DeltaAttention as _PaperAttention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 48, 16, generator=g).bfloat16() for _ in range(3))
