@@ -82,18 +82,25 @@ def _f(v, digits=2) -> str:
 
 
 def search(root: Path, img: Path) -> str:
-    rows = [run_stats(d) for d in sorted(root.glob("*/unmitigated-s0"))
+    from reproduction.run import CONFIGS
+
+    order = {name: i for i, name in enumerate(CONFIGS)}  # the order they were tried
+    rows = [run_stats(d) for d in root.glob("*/unmitigated-s0")
             if (d / "summary.json").is_file()]
+    rows.sort(key=lambda r: (order.get(r["config"], len(order)), r["config"]))
     if not rows:
         raise SystemExit(f"no {root}/*/unmitigated-s0/summary.json yet")
-    lines = ["| configuration | backend | data | lr | steps | ties start→end | max logit | "
+    lines = ["| configuration | backend | data | rows × batch | lr, wd, clip | steps | "
+             "ties start→end | max logit | "
              "max abs drift z | share z ≥ 4 | coherence at the end (max head) | "
              "W^Q growth max / median | best → final loss | spike | first alert (rule) |",
-             "|" + "---|" * 14]
+             "|" + "---|" * 15]
     for r in rows:
         s = r["settings"]
+        clip = "none" if s["clip"] >= 1e6 else f"{s['clip']:g}"
         lines.append(
-            f"| {r['config']} | {s['backend']} | {s['data']} (V={s['vocab']}) | {s['lr']:g} | "
+            f"| {r['config']} | {s['backend']} | {s['data']} (V={s['vocab']}) | "
+            f"{s['block']} × {s['batch']} | {s['lr']:g}, {s['weight_decay']:g}, {clip} | "
             f"{r['steps']} | {_f(r['ties_start'])}→{_f(r['ties_end'])} | "
             f"{_f(r['max_logit_end'], 1)} | {_f(r['max_abs_z'])} | {_f(r['frac_z_over'], 3)} | "
             f"{_f(r['max_coherence'])} | {_f(r['wq_growth_max'])} / "
@@ -164,7 +171,24 @@ def compare(root: Path, config: str, img: Path) -> str:
             f"{_f(r['wq_growth_max'])} | {_f(r['max_logit_end'], 0)} | {_f(r['logit_step'])} | "
             f"{_f(r['overhead'])} |")
     _plot_compare(rows, config, img)
-    return "\n".join(lines)
+    return _arm_summary(rows) + "\n\n" + "\n".join(lines)
+
+
+def _arm_summary(rows) -> str:
+    """One line per arm: how many runs spiked, diverged, were warned in time."""
+    out = ["| arm | runs | spiked | not finite | alert before the spike | final loss "
+           "(each seed) |", "|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        rs = [r for r in rows if r["arm"] == arm]
+        spiked = [r for r in rs if r["spike_step"] is not None]
+        nan = sum(not math.isfinite(r["final_loss"]) for r in rs)
+        warned = sum(r["first_alert"] is not None and r["first_alert"] < r["spike_step"]
+                     for r in spiked)
+        finals = ", ".join(_f(r["final_loss"]) if math.isfinite(r["final_loss"]) else "NaN"
+                           for r in rs)
+        out.append(f"| {arm} | {len(rs)} | {len(spiked)} | {nan} | {warned} of {len(spiked)} "
+                   f"| {finals} |")
+    return "\n".join(out)
 
 
 def _short(head: str) -> str:

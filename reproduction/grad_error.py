@@ -2,6 +2,7 @@
 
     python -m reproduction.grad_error --run runs/repro/uniform-v16/unmitigated-s0
     python -m reproduction.grad_error --config uniform-v16     # the freshly initialised model
+    python -m reproduction.grad_error --run DIR --weights model_step250.pt   # (--save-every)
 
 Loads a run's final weights (model.pt) and settings, or initialises the configuration's
 model, then for `--batches` batches of its data runs one forward in the paper
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", type=Path, help="a run directory of reproduction.run")
     src.add_argument("--config", help="a configuration, measured at initialisation")
+    p.add_argument("--weights", default="model.pt",
+                   help="weights file in the run directory (e.g. model_step250.pt)")
     p.add_argument("--batches", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the per-head numbers here")
@@ -107,7 +110,7 @@ def main(argv=None) -> int:
                           n_head=s["n_head"], n_embd=s["n_embd"],
                           position_embedding=s["position_embedding"]))
     if a.run:
-        model.load_state_dict(torch.load(a.run / "model.pt"))
+        model.load_state_dict(torch.load(a.run / a.weights))
     rows = measure(model, make_data(s, seed), s, a.batches, seed)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1) + "\n")

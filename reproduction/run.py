@@ -84,8 +84,6 @@ CONFIGS = {
     # Same, fused arithmetic: does the kernel's arithmetic matter for its spikes?
     "nope-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
                                       backend="reference"),
-    # The demo's setting run 4× longer (the paper's failure took thousands of steps).
-    "nope-grammar-6k": dict(steps=6000),
 }
 
 SPIKE_NATS = 1.0  # a spike: the loss EMA rises this far above its best value so far
@@ -142,7 +140,11 @@ def first_spike(losses: list[float], warmup: int) -> int | None:
 
 
 def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = None,
-        threads: int = 1, stream=sys.stdout) -> dict:
+        threads: int = 1, stream=sys.stdout, save_every: int = 0,
+        stop_after: int | None = None) -> dict:
+    """Train one run into `out`; returns its summary. save_every: also save the weights
+    every that many steps (model_step{N}.pt); stop_after: stop after that many steps
+    without changing the schedule (to look closely at the run before a spike)."""
     if arm not in ARMS:
         raise ValueError(f"--arm {arm!r} is not one of {ARMS}")
     s = settings_for(config, overrides)
@@ -177,7 +179,9 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     times = {"monitored": [], "plain": []}
     B, T = s["batch"], s["block"]
     with open(out / "train.jsonl", "w", encoding="utf-8") as log:
-        for step in range(s["steps"]):
+        for step in range(s["steps"] if stop_after is None else min(stop_after, s["steps"])):
+            if save_every and step % save_every == 0:
+                torch.save(model.state_dict(), out / f"model_step{step}.pt")
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, s)
@@ -267,9 +271,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, help="override the configuration's step count")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also save the weights every N steps (model_step{N}.pt)")
+    p.add_argument("--stop-after", type=int,
+                   help="stop after N steps, keeping the configuration's lr schedule")
     a = p.parse_args(argv)
     overrides = {"steps": a.steps} if a.steps else None
-    summary = run(a.config, a.arm, a.seed, a.out, overrides, threads=a.threads)
+    summary = run(a.config, a.arm, a.seed, a.out, overrides, threads=a.threads,
+                  save_every=a.save_every, stop_after=a.stop_after)
     keys = ("config", "arm", "seed", "steps_done", "seconds", "spike_step", "first_alert",
             "lead_steps", "flagged_heads", "wq_growth_top", "monitored_over_plain")
     print(json.dumps({k: summary[k] for k in keys}, indent=1))

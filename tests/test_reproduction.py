@@ -110,7 +110,10 @@ def test_analyze_tables_and_plots(tiny_runs, tmp_path):
     assert table.count("\n| nope-grammar |") == 1
     assert (tmp_path / "repro_search_loss.png").stat().st_size > 1000
     table = analyze.compare(root, "nope-grammar", tmp_path)
-    rows = [r for r in table.splitlines()[2:]]
+    summary = [r.split("|") for r in table.split("\n\n")[0].splitlines()[2:]]
+    assert [(c[1].strip(), c[2].strip()) for c in summary] == [
+        (arm, "1") for arm in ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta")]
+    rows = [r for r in table.split("\n\n")[1].splitlines()[2:]]
     assert [r.split("|")[1].strip() for r in rows] == ["unmitigated", "auto", "fp32_o",
                                                       "beta", "fp32_delta"]
     for name in ("repro_compare_heads.png", "repro_compare_growth.png", "repro_compare_loss.png"):
