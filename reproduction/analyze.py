@@ -46,7 +46,8 @@ def run_stats(run_dir: Path) -> dict:
                                              strict=True)
                        if any(v > LOGIT for v in row if math.isfinite(v))), None)
     return dict(
-        dir=str(run_dir), logit_step=logit_step, config=summ["config"], arm=summ["arm"],
+        dir=str(run_dir), logit_step=logit_step,
+        rise=largest_rise([v for _, v in run["loss"]]), config=summ["config"], arm=summ["arm"],
         seed=summ["seed"],
         settings=summ["settings"], steps=summ["steps_done"], seconds=summ["seconds"],
         ties_start=mean(ser["tied_rowmax_ratio"][:tenth]),
@@ -66,6 +67,19 @@ def run_stats(run_dir: Path) -> dict:
         lead=summ["lead_steps"], overhead=summ["monitored_over_plain"],
         events=summ["events"], errors=summ["monitor_errors_total"], run=run,
     )
+
+
+def largest_rise(losses: list[float]) -> float:
+    """Largest rise of the loss EMA above its best value so far, in nats (inf if the
+    loss became non-finite): how big the worst spike was, below the spike threshold too."""
+    ema, best, rise = None, math.inf, 0.0
+    for x in losses:
+        if not math.isfinite(x):
+            return math.inf
+        ema = x if ema is None else 0.95 * ema + 0.05 * x
+        rise = max(rise, ema - best)
+        best = min(best, ema)
+    return rise
 
 
 def _kind(reason: str | None) -> str | None:
@@ -177,7 +191,7 @@ def compare(root: Path, config: str, img: Path) -> str:
 def _arm_summary(rows) -> str:
     """One line per arm: how many runs spiked, diverged, were warned in time."""
     out = ["| arm | runs | spiked | not finite | alert before the spike | final loss "
-           "(each seed) |", "|---|---|---|---|---|---|"]
+           "(each seed) | largest loss rise, nats (each seed) |", "|---|---|---|---|---|---|---|"]
     for arm in dict.fromkeys(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
         spiked = [r for r in rs if r["spike_step"] is not None]
@@ -186,8 +200,9 @@ def _arm_summary(rows) -> str:
                      for r in spiked)
         finals = ", ".join(_f(r["final_loss"]) if math.isfinite(r["final_loss"]) else "NaN"
                            for r in rs)
+        rises = ", ".join("∞" if math.isinf(r["rise"]) else f"{r['rise']:.2f}" for r in rs)
         out.append(f"| {arm} | {len(rs)} | {len(spiked)} | {nan} | {warned} of {len(spiked)} "
-                   f"| {finals} |")
+                   f"| {finals} | {rises} |")
     return "\n".join(out)
 
 

@@ -162,3 +162,11 @@ def test_grad_error_measures_every_head_with_bounded_statistics():
         assert 0 < r["coherence"] <= 1 + 1e-9
         assert -1 - 1e-9 <= r["align_sigma"] <= 1 + 1e-9
         assert r["tied"] > 0.5  # 4 symbols, no position embedding: most rows tie
+
+
+def test_largest_rise_measures_the_worst_spike():
+    base = [2.0] * 200
+    assert analyze.largest_rise(base) == 0.0
+    bumped = base[:100] + [2.6] * 100 + [2.0] * 100  # EMA climbs to ≈ 0.6 above best
+    assert 0.59 < analyze.largest_rise(bumped) < 0.6
+    assert math.isinf(analyze.largest_rise(base + [math.nan]))
