@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 
 from flashwatch.runreport import load_run
+from reproduction.run import CONFIGS, loss_ema
 
 DRIFT_Z = 4.0  # WatchConfig.drift_z_threshold
 LOGIT = 100.0  # a QK-clip style signal, not part of flashwatch's policy: for comparison
@@ -72,13 +73,12 @@ def run_stats(run_dir: Path) -> dict:
 def largest_rise(losses: list[float]) -> float:
     """Largest rise of the loss EMA above its best value so far, in nats (inf if the
     loss became non-finite): how big the worst spike was, below the spike threshold too."""
-    ema, best, rise = None, math.inf, 0.0
-    for x in losses:
-        if not math.isfinite(x):
-            return math.inf
-        ema = x if ema is None else 0.95 * ema + 0.05 * x
-        rise = max(rise, ema - best)
-        best = min(best, ema)
+    ema = loss_ema(losses)
+    if len(ema) < len(losses):
+        return math.inf
+    rise, best = 0.0, math.inf
+    for e in ema:
+        rise, best = max(rise, e - best), min(best, e)
     return rise
 
 
@@ -96,8 +96,6 @@ def _f(v, digits=2) -> str:
 
 
 def search(root: Path, img: Path) -> str:
-    from reproduction.run import CONFIGS
-
     order = {name: i for i, name in enumerate(CONFIGS)}  # the order they were tried
     rows = [run_stats(d) for d in root.glob("*/unmitigated-s0")
             if (d / "summary.json").is_file()]
@@ -134,7 +132,8 @@ def _plot_search(rows, img: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in rows:
         loss = r["run"]["loss"]
-        ax.plot([s for s, _ in loss], _ema([v for _, v in loss]), label=r["config"], lw=1)
+        ema = loss_ema([v for _, v in loss])
+        ax.plot([s for s, _ in loss][:len(ema)], ema, label=r["config"], lw=1)
     ax.set(xlabel="step", ylabel="training loss (EMA 0.95)", title="Search: unmitigated, seed 0")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -153,14 +152,6 @@ def _plot_search(rows, img: Path) -> None:
     fig.tight_layout()
     fig.savefig(img / "repro_search_drift.png", dpi=110)
     plt.close(fig)
-
-
-def _ema(xs, a=0.95):
-    out, e = [], None
-    for x in xs:
-        e = x if e is None else (a * e + (1 - a) * x if math.isfinite(x) else x)
-        out.append(e)
-    return out
 
 
 def compare(root: Path, config: str, img: Path) -> str:
@@ -223,7 +214,8 @@ def _plot_compare(rows, config: str, img: Path) -> None:
     seen = set()
     for r in rows:
         loss = r["run"]["loss"]
-        ax.plot([s for s, _ in loss], _ema([v for _, v in loss]), color=colors[r["arm"]],
+        ema = loss_ema([v for _, v in loss])
+        ax.plot([s for s, _ in loss][:len(ema)], ema, color=colors[r["arm"]],
                 lw=1, alpha=0.8, label=None if r["arm"] in seen else r["arm"])
         seen.add(r["arm"])
     ax.set(xlabel="step", ylabel="training loss (EMA 0.95)",

@@ -32,7 +32,7 @@ import torch
 
 from examples.gpt import GPT, GPTConfig
 from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
-from reproduction.run import make_data, settings_for
+from reproduction.run import get_batch, make_data, settings_for
 
 
 def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) -> list[dict]:
@@ -40,16 +40,14 @@ def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) ->
     D = C // H
     layers = [blk.attn for blk in model.transformer.h]
     gen = torch.Generator().manual_seed(seed + 12345)  # batches unlike training's
-    deltas, grads = [], []  # per batch: [L, H, D, C]
+    g_hp_all, g_lp_all = [], []  # per batch: [L, H, D, C]
     Fp32DeltaAttention.tied, Fp32DeltaAttention.record_ties = [], True
 
     def wq_grads():
         return torch.stack([a.c_attn.weight.grad[:C].view(H, D, C).clone() for a in layers])
 
     for _ in range(batches):
-        ix = torch.randint(len(data) - s["block"] - 1, (s["batch"],), generator=gen)
-        x = torch.stack([data[i:i + s["block"]] for i in ix])
-        y = torch.stack([data[i + 1:i + s["block"] + 1] for i in ix])
+        x, y = get_batch(data, s, gen)
         model.zero_grad(set_to_none=True)
         with RouteSDPA(), torch.autocast("cpu", dtype=torch.bfloat16):
             _, loss = model(x, y)
@@ -59,12 +57,10 @@ def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) ->
         model.zero_grad(set_to_none=True)
         Fp32DeltaAttention.fp32_delta = True
         loss.backward()
-        g_hp = wq_grads()
-        deltas.append((g_hp - g_lp).double())
-        grads.append((g_hp.double(), g_lp.double()))
-    Dl = torch.stack(deltas)  # [T, L, H, D, C]
-    G = torch.stack([hp for hp, _ in grads])
-    Glp = torch.stack([lp for _, lp in grads])
+        g_lp_all.append(g_lp.double())
+        g_hp_all.append(wq_grads().double())
+    G, Glp = torch.stack(g_hp_all), torch.stack(g_lp_all)  # [T, L, H, D, C]
+    Dl = G - Glp
     Fp32DeltaAttention.fp32_delta = Fp32DeltaAttention.record_ties = False
     tied = torch.stack(Fp32DeltaAttention.tied).view(batches, len(layers), H).mean(0)
     out = []

@@ -125,18 +125,34 @@ def lr_at(step: int, s: dict) -> float:
     return s["lr"] * (s["min_lr_frac"] + (1 - s["min_lr_frac"]) * cos)
 
 
+def get_batch(data: torch.Tensor, s: dict, gen: torch.Generator):
+    """`batch` random windows of `block` tokens and their next-token targets."""
+    T = s["block"]
+    ix = torch.randint(len(data) - T - 1, (s["batch"],), generator=gen)
+    return (torch.stack([data[i:i + T] for i in ix]),
+            torch.stack([data[i + 1:i + T + 1] for i in ix]))
+
+
+def loss_ema(losses: list[float]) -> list[float]:
+    """The loss EMA (factor EMA), up to the first non-finite loss (excluded)."""
+    out, ema = [], None
+    for x in losses:
+        if not math.isfinite(x):
+            break
+        ema = x if ema is None else EMA * ema + (1 - EMA) * x
+        out.append(ema)
+    return out
+
+
 def first_spike(losses: list[float], warmup: int) -> int | None:
     """First step after warmup at which the loss is not finite or its EMA is
     SPIKE_NATS above the best EMA so far; None if it never happens."""
-    ema, best = None, math.inf
-    for i, x in enumerate(losses):
-        if not math.isfinite(x):
+    ema, best = loss_ema(losses), math.inf
+    for i, e in enumerate(ema):
+        if i >= warmup and e > best + SPIKE_NATS:
             return i
-        ema = x if ema is None else EMA * ema + (1 - EMA) * x
-        if i >= warmup and ema > best + SPIKE_NATS:
-            return i
-        best = min(best, ema)
-    return None
+        best = min(best, e)
+    return len(ema) if len(ema) < len(losses) else None
 
 
 def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = None,
@@ -177,7 +193,6 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     spectral: dict[str, list] = {}
     t_start = time.perf_counter()
     times = {"monitored": [], "plain": []}
-    B, T = s["batch"], s["block"]
     with open(out / "train.jsonl", "w", encoding="utf-8") as log:
         for step in range(s["steps"] if stop_after is None else min(stop_after, s["steps"])):
             if save_every and step % save_every == 0:
@@ -185,9 +200,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, s)
-            ix = torch.randint(len(data) - T - 1, (B,), generator=gen)
-            x = torch.stack([data[i:i + T] for i in ix])
-            y = torch.stack([data[i + 1:i + T + 1] for i in ix])
+            x, y = get_batch(data, s, gen)
             with route, torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, y)
             loss.backward()
@@ -230,7 +243,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
         "config": config, "arm": arm, "seed": seed, "settings": s, "model": asdict(gcfg),
         "steps_done": len(losses), "seconds": seconds,
         "final_loss_mean_last100": sum(losses[-100:]) / len(losses[-100:]),
-        "best_loss_ema": _best_ema(losses),
+        "best_loss_ema": min(loss_ema(losses), default=None),
         "spike_step": spike,
         "first_alert": first_alert,
         "lead_steps": (spike - first_alert["step"]) if spike is not None and first_alert
@@ -250,16 +263,6 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     torch.save(model.state_dict(), out / "model.pt")  # for reproduction.grad_error
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
-
-
-def _best_ema(losses: list[float]) -> float | None:
-    ema, best = None, math.inf
-    for x in losses:
-        if not math.isfinite(x):
-            break
-        ema = x if ema is None else EMA * ema + (1 - EMA) * x
-        best = min(best, ema)
-    return best if math.isfinite(best) else None
 
 
 def main(argv=None) -> int:
