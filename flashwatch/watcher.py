@@ -8,8 +8,9 @@ One monitored optimizer step, end to end (DESIGN.md §2):
             flashwatch.attention with its modes. On monitored steps the probe samples
             rows, recomputes them in FP32 and hooks the output's gradient.
   backward  the gradient hook computes c[T] and the sketch G for the sampled rows.
-  step()    once per optimizer step: W^Q spectral norms, one packed all_gather across
-            ranks, signals, policy, new modes from the next step, a StepReport to sinks.
+  step()    once per optimizer step: W^Q spectral norms, one SUM and one MAX all_reduce
+            across ranks (constant size in the world size), signals, policy, new
+            modes from the next step, a StepReport to sinks.
 Failures inside flashwatch are logged once, counted and never raised into training.
 """
 
@@ -28,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flashwatch import dispatch as _dispatch_mod
-from flashwatch import probe
+from flashwatch import probe, reduce
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
@@ -543,8 +544,14 @@ class Watcher:
             except Exception as e:
                 self._error(f"spectral norm {st.site.name}", e)
             st.reset(k)
-        tied, rows, max_logit, delta_sum, G, grad_rows = _all_reduce(
-            tied, rows, max_logit, delta_sum, G, grad_rows)
+        # One SUM and one MAX all_reduce (flashwatch/reduce.py); a new summed or maxed
+        # per-head quantity is one more entry here.
+        sums, maxes = reduce.all_reduce(
+            dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G),
+            dict(max_logit=max_logit))
+        tied, rows, delta_sum, grad_rows, G = (sums[k] for k in
+                                               ("tied", "rows", "delta_sum", "grad_rows", "G"))
+        max_logit = maxes["max_logit"]
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
         max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
@@ -598,28 +605,6 @@ class Watcher:
         if key not in st.warned:
             st.warned.add(key)
             log.warning(message)
-
-
-def _all_reduce(tied, rows, max_logit, delta_sum, G, grad_rows):
-    """Sum (max for max_logit) the per-head numbers over ranks in one all_gather."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tied, rows, max_logit, delta_sum, G, grad_rows
-    n = tied.numel()
-    packed = torch.cat([tied, rows, delta_sum, grad_rows, G.flatten(), max_logit])
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    packed = packed.to(device)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, packed)
-    stacked = torch.stack(gathered).cpu()
-    summed = stacked[:, :-n].sum(0)
-    max_logit = stacked[:, -n:].amax(0)
-    tied, rows, delta_sum, grad_rows = summed[:4 * n].view(4, n)
-    G = summed[4 * n:].view_as(G)
-    return tied, rows, max_logit, delta_sum, G, grad_rows
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,
