@@ -16,10 +16,20 @@ Design:
   scrape: for GPT-2 Small's 144 heads that is 11 ms of Python per scrape (23 ms with
   HTTP) holding the GIL; at 50 scrapes/s a CPU training step of a 12×12-head GPT took
   2.2× as long (first run of benchmarks/bench_prometheus.py, 2-core machine). So the
-  server here is a small stdlib HTTPServer serving the cached page: one thread,
-  requests in turn (Prometheus scrapes a target one request at a time; a thread per
-  request cost 0.35 ms of CPU each, more than the rest of the request), and a 5 s
-  socket timeout so a stuck client cannot hold it.
+  server here is a small stdlib HTTPServer serving the cached page.
+- Connections are served concurrently by a bounded pool of reused threads (`max_threads`,
+  default 8; started on demand, so a quiet exporter holds one or two). A client that
+  connects and sends nothing holds one thread for at most `timeout` seconds (default
+  5) and never delays a scrape on another connection: served one at a time, four idle
+  connections once held a scrape for 20 s, twice Prometheus' default scrape timeout.
+  When every thread is busy a new connection is closed at once (a failed scrape, never
+  a hung one), so a flood of connections costs at most `max_threads` threads. A thread
+  per request (ThreadingHTTPServer) would be unbounded and cost 0.35 ms of CPU each.
+- Per-head series come from global rank 0 only (by default): after the watcher's
+  cross-rank reduction every rank holds the same per-head numbers, and serving them from
+  every rank would multiply the series by the world size (5,120 heads × 10 series ×
+  1,024 ranks ≈ 52M series). Other ranks serve what is theirs: flashwatch_monitor_step,
+  flashwatch_monitor_seconds and flashwatch_monitor_errors_total.
 - One fresh CollectorRegistry per sink (`sink.registry`, holding only this collector):
   two sinks in one process (tests, two models) never clash, and the default registry's
   process metrics are not mixed in. Mount it elsewhere with
@@ -40,6 +50,7 @@ from __future__ import annotations
 import errno
 import gzip
 import os
+import queue
 import socket
 import ssl
 import threading
@@ -92,6 +103,13 @@ class PrometheusSink:
     rank_zero_only   serve only from global rank 0 (env RANK); other ranks' sinks accept
                      reports and serve nothing. The watcher reduces its numbers across
                      ranks, so rank 0 already reports the whole job.
+    per_head_all_ranks  False (default): per-head series and flashwatch_mitigations_total
+                     only from global rank 0; other ranks serve the rank-local
+                     flashwatch_monitor_* series only (the per-head families without
+                     samples). True: every rank serves everything (world_size copies).
+    max_threads      connections served at once (default 8); more are closed at once.
+    timeout          seconds a client may take to send its request or read the page
+                     (default 5.0); an idle connection holds one thread that long.
     certfile/keyfile serve HTTPS with this certificate and key (both or neither);
                      client_cafile additionally requires client certificates signed by it.
     start_server     False: no HTTP server, only the collector in `sink.registry` (for
@@ -107,7 +125,8 @@ class PrometheusSink:
                  rank_zero_only: bool = False, certfile: str | None = None,
                  keyfile: str | None = None, client_cafile: str | None = None,
                  start_server: bool = True, local_rank: int | None = None,
-                 rank: int | None = None):
+                 rank: int | None = None, per_head_all_ranks: bool = False,
+                 max_threads: int = 8, timeout: float = 5.0):
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an int in [0, 65535], got {port!r}; pass e.g. "
                              f"port={DEFAULT_PORT}, or 0 for any free port")
@@ -117,16 +136,27 @@ class PrometheusSink:
         if client_cafile is not None and certfile is None:
             raise ValueError("client_cafile (client certificate check) needs TLS; pass "
                              "certfile and keyfile too")
+        if isinstance(max_threads, bool) or not isinstance(max_threads, int) or \
+                max_threads < 1:
+            raise ValueError(f"max_threads must be an int ≥ 1, got {max_threads!r}; "
+                             f"the default 8 serves several scrapers at once")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < float("inf"):
+            raise ValueError(f"timeout must be a finite number of seconds > 0, got "
+                             f"{timeout!r}; the default is 5.0")
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
         self._mitigations: Counter = Counter()  # (layer, head, mode) -> applied events
         self._page: tuple | None = None  # (snapshot, page text, gzipped page text)
+        self._render_lock = threading.Lock()  # one thread renders a new page, others wait
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         self._httpd = self._thread = None
         self.addr, self.port, self._tls = addr, None, certfile is not None
         local_rank = _env_int("LOCAL_RANK") if local_rank is None else local_rank
         rank = _env_int("RANK") if rank is None else rank
+        self.serves_heads = rank == 0 or bool(per_head_all_ranks)
+        self._max_threads, self._timeout = max_threads, float(timeout)
         if start_server and not (rank_zero_only and rank != 0):
             self._start(port, local_rank, addr, certfile, keyfile, client_cafile)
 
@@ -135,9 +165,9 @@ class PrometheusSink:
     def write(self, report: StepReport) -> None:
         """Swap in a snapshot of `report` (called from the training thread)."""
         heads = tuple((h.layer, str(h.head), tuple(float(getattr(h, f)) for f, _ in HEAD_GAUGES),
-                       int(h.head_mode)) for h in report.heads)
+                       int(h.head_mode)) for h in report.heads) if self.serves_heads else ()
         for e in report.events:
-            if e.applied:
+            if e.applied and self.serves_heads:
                 self._mitigations[(e.layer, str(e.head), Mode(e.to_mode).name)] += 1
         # Zero-initialise a counter per head and mitigating mode so that rate()/increase()
         # see the first switch (a series born at 1 hides it); STANDARD only if it happens.
@@ -159,6 +189,8 @@ class PrometheusSink:
             httpd.server_close()
         if thread is not None:
             thread.join(timeout=5)
+        if httpd is not None:
+            httpd.stop_workers()
 
     @property
     def url(self) -> str | None:
@@ -177,9 +209,9 @@ class PrometheusSink:
         if port > 65535:
             raise ValueError(f"port {base} + LOCAL_RANK {local_rank} = {port} exceeds 65535; "
                              f"pass a lower port")
-        server_class = _Server6 if ":" in addr else HTTPServer
+        server_class = _Server6 if ":" in addr else _Server
         try:
-            httpd = server_class((addr, port), _Handler)
+            httpd = server_class((addr, port), _Handler, max_threads=self._max_threads)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise RuntimeError(
@@ -188,7 +220,7 @@ class PrometheusSink:
                     f"port (PrometheusSink(port=...) or FlashWatchCallback("
                     f"prometheus_port=...)), or 0 for any free port") from e
             raise
-        httpd.sink = self
+        httpd.sink, httpd.timeout_s = self, self._timeout
         if self._tls:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             try:
@@ -200,8 +232,8 @@ class PrometheusSink:
                 httpd.server_close()
                 raise ValueError(f"cannot load TLS files certfile={certfile!r}, keyfile="
                                  f"{keyfile!r}, client_cafile={client_cafile!r}: {e}") from e
-            # Handshake on the handler's first read, under its 5 s timeout, not inside
-            # accept() where a silent client would stall the server thread.
+            # Handshake on the handler's first read, in a pool thread under the timeout,
+            # not inside accept() where a silent client would stall the accept loop.
             httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True,
                                            do_handshake_on_connect=False)
         self._httpd = httpd
@@ -216,10 +248,14 @@ class PrometheusSink:
         with self._lock:
             snap, page = self._snapshot, self._page
         if page is None or page[0] is not snap:
-            text = generate_latest(_Fixed(list(self._families(snap))))
-            page = (snap, text, gzip.compress(text, compresslevel=1))
-            with self._lock:
-                self._page = page
+            with self._render_lock:
+                with self._lock:
+                    snap, page = self._snapshot, self._page
+                if page is None or page[0] is not snap:
+                    text = generate_latest(_Fixed(list(self._families(snap))))
+                    page = (snap, text, gzip.compress(text, compresslevel=1))
+                    with self._lock:
+                        self._page = page
         if "gzip" in accept_encoding:
             return page[2], True
         return page[1], False
@@ -290,12 +326,63 @@ class _Fixed:
         return self._families
 
 
-class _Server6(HTTPServer):
+class _Server(HTTPServer):
+    """HTTPServer whose connections run on at most `max_threads` reused daemon threads.
+
+    The accept loop (serve_forever's thread) only hands sockets over; when every thread
+    is busy it closes the new connection at once (a failed scrape, never a hung one).
+    """
+
+    def __init__(self, address, handler, *, max_threads: int):
+        super().__init__(address, handler)
+        self.max_threads = max_threads
+        self.timeout_s = 5.0
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._count_lock = threading.Lock()
+        self._busy = 0  # connections handed over and not yet closed
+        self._workers: list[threading.Thread] = []
+        self.refused = 0  # connections closed because every thread was busy
+
+    def process_request(self, request, client_address):
+        with self._count_lock:
+            if self._busy >= self.max_threads:
+                self.refused += 1
+                self.shutdown_request(request)
+                return
+            self._busy += 1
+            if len(self._workers) < self._busy:  # start threads on demand, keep them
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"flashwatch-prometheus-{len(self._workers)}")
+                self._workers.append(t)
+                t.start()
+        self._jobs.put((request, client_address))
+
+    def _work(self):
+        while (job := self._jobs.get()) is not None:
+            request, client_address = job
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+                with self._count_lock:
+                    self._busy -= 1
+
+    def stop_workers(self):
+        """Let idle threads exit; one inside a request exits after it (≤ timeout)."""
+        for _ in self._workers:
+            self._jobs.put(None)
+
+
+class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):
-    timeout = 5  # seconds a client may take to send its request or read the page
+    def setup(self):
+        self.timeout = self.server.timeout_s  # for sending the request and reading the page
+        super().setup()
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
         if self.path.split("?")[0] not in ("/", "/metrics"):
