@@ -567,22 +567,20 @@ class Watcher:
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
-        records = []
-        for i, (layer, head) in enumerate(self._heads):
-            records.append(HeadRecord(
-                layer=layer, head=head,
-                tied_rowmax_ratio=float(tie_ratio[i]),
-                attention_max_logit=float(max_logit[i]),
-                delta_error_sum=float(delta_sum[i]),
-                r_projection=float(values.r_projection[i]),
-                r_projection_cumulative=float(values.r_projection_cumulative[i]),
-                delta_drift_z=float(values.delta_drift_z[i]),
-                delta_coherence=float(values.delta_coherence[i]),
-                wq_spectral_norm=float(sigma[i]),
-                head_mode=Mode(int(new_modes[i])),
-                recommended_mode=Mode(int(decision.recommended[i])),
-                flagged=bool(decision.flagged[i]),
-            ))
+        # One tolist() per field, not a tensor index per head and field (5,120 heads:
+        # benchmarks/bench_scale.py); a new per-head field is one more entry here.
+        columns = {k: v.tolist() for k, v in dict(
+            tied_rowmax_ratio=tie_ratio, attention_max_logit=max_logit,
+            delta_error_sum=delta_sum, r_projection=values.r_projection,
+            r_projection_cumulative=values.r_projection_cumulative,
+            delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
+            wq_spectral_norm=sigma).items()}
+        modes_now, recommended = new_modes.tolist(), decision.recommended.tolist()
+        flagged = decision.flagged.tolist()
+        records = [HeadRecord(layer=layer, head=head, **{k: v[i] for k, v in columns.items()},
+                              head_mode=Mode(modes_now[i]), recommended_mode=Mode(recommended[i]),
+                              flagged=bool(flagged[i]))
+                   for i, (layer, head) in enumerate(self._heads)]
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
         events = self._unreported + list(decision.events)
