@@ -17,15 +17,17 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
-from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+from flashwatch.integrations.prometheus import HEAD_GAUGES, METRIC_NAMES, PrometheusSink, render
 from livejob import SMALL, TinyTrainer, free_port, prometheus_server
 
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
+_GAUGE_FIELDS = [f for f, _ in HEAD_GAUGES]
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
 
 
@@ -202,6 +204,24 @@ def test_other_ranks_serve_only_their_own_series_by_default():
     assert served[1, False]["flashwatch_monitor_seconds"][0].value == 0.25
     assert served[1, False]["flashwatch_monitor_errors_total"][0].value == 2
     assert len(served[1, True]["flashwatch_delta_drift_z"]) == 3
+
+
+def test_render_is_byte_for_byte_prometheus_clients_text_format():
+    odd = 'a"b\\c\nd'  # a quote, a backslash and a newline in a layer name
+    values = [math.nan, math.inf, -math.inf, 1e22, 1234567.5, 0.1, -3.0, 7e-9]
+    heads = [HeadRecord(layer=layer, head=h, **dict(zip(_GAUGE_FIELDS, values[h:] + values[:h],
+                                                        strict=False)))
+             for layer in ("model.layers.0.self_attn", odd) for h in range(4)]
+    switch = Event(step=9, layer=odd, head=1, from_mode=Mode.STANDARD, to_mode=Mode.FP32_O,
+                   reason="test", applied=True)
+    sink = PrometheusSink(start_server=False)
+    expected_empty = generate_latest(sink.registry)
+    assert render(None) == expected_empty  # before the first report: families only
+    sink.write(StepReport(step=9, heads=heads, events=[switch], monitor_seconds=0.5,
+                          monitor_errors_total=3))
+    page, gzipped = sink._page_for("")
+    assert not gzipped and page == generate_latest(sink.registry)
+    assert "1.2345675e+06" in page.decode() and "+Inf" in page.decode()
 
 
 def _idle_connections(port: int, n: int) -> list[socket.socket]:
