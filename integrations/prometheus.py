@@ -11,7 +11,7 @@ Design:
   builds the metric families from it. The training thread never waits for a scrape
   beyond that pointer swap and never does any formatting.
 - The page is rendered once per report by `render` (prometheus_client's text format,
-  byte for byte, at a tenth of generate_latest's cost: 5,120 heads, 51k samples, took
+  byte for byte, at a fifth of generate_latest's cost: 5,120 heads, 51k samples, took
   0.7 s of GIL-holding Python with generate_latest), on the HTTP thread at the first
   scrape after a write, then served from a cache (gzip too when
   the scraper accepts it). prometheus_client's own start_http_server renders on every
@@ -228,7 +228,8 @@ class PrometheusSink:
                              f"pass a lower port")
         server_class = _Server6 if ":" in addr else _Server
         try:
-            httpd = server_class((addr, port), _Handler, max_threads=self._max_threads)
+            httpd = server_class((addr, port), _Handler, max_threads=self._max_threads,
+                                 timeout=self._timeout)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise RuntimeError(
@@ -237,7 +238,7 @@ class PrometheusSink:
                     f"port (PrometheusSink(port=...) or FlashWatchCallback("
                     f"prometheus_port=...)), or 0 for any free port") from e
             raise
-        httpd.sink, httpd.timeout_s = self, self._timeout
+        httpd.sink = self
         if self._tls:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             try:
@@ -312,7 +313,7 @@ def _series(snap: _Snapshot | None):
 
 def render(snap: _Snapshot | None) -> bytes:
     """The text exposition format of a snapshot, byte for byte what prometheus_client's
-    generate_latest writes (tests/test_prometheus.py), at ≈ 1/10 of its cost: label
+    generate_latest writes (tests/test_prometheus.py), at ≈ 1/5 of its cost: label
     strings are built once per head, not once per sample (5,120 heads: 51,203 samples,
     benchmarks/bench_scale.py)."""
     lines = []
@@ -378,10 +379,10 @@ class _Server(HTTPServer):
     is busy it closes the new connection at once (a failed scrape, never a hung one).
     """
 
-    def __init__(self, address, handler, *, max_threads: int):
+    def __init__(self, address, handler, *, max_threads: int, timeout: float):
         super().__init__(address, handler)
         self.max_threads = max_threads
-        self.timeout_s = 5.0
+        self.timeout_s = timeout  # per connection: for the request and for the page
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._count_lock = threading.Lock()
         self._busy = 0  # connections handed over and not yet closed
@@ -426,7 +427,7 @@ class _Server6(_Server):
 
 class _Handler(BaseHTTPRequestHandler):
     def setup(self):
-        self.timeout = self.server.timeout_s  # for sending the request and reading the page
+        self.timeout = self.server.timeout_s
         super().setup()
 
     def do_GET(self):  # noqa: N802 (http.server's naming)
