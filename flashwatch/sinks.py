@@ -62,9 +62,7 @@ class JsonlSink:
                 raise ValueError(f"{name} must be an int ≥ 1, got {v!r}"
                                  + ("; or None for the default by model size"
                                     if name == "full_every" else ""))
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or rank < 0):
-            raise ValueError(f"rank must be an int ≥ 0 or None (detect it), got {rank!r}")
+        _check_rank(rank)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = None  # opened at the first write on a writing rank
@@ -75,7 +73,7 @@ class JsonlSink:
         self._flagged: frozenset = frozenset()
 
     def write(self, report: StepReport) -> None:
-        if self._rank_zero_only and _global_rank(self._rank) != 0:
+        if not _writes_here(self._rank_zero_only, self._rank):
             return
         if self._file is None or self._file.closed:  # first write, or a second fit()
             self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
@@ -109,15 +107,25 @@ class JsonlSink:
         return d
 
 
-def _global_rank(rank: int | None) -> int:
-    if rank is not None:
-        return rank
-    import torch.distributed as dist
+def _check_rank(rank) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank must be an int ≥ 0 or None (detect it), got {rank!r}")
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    raw = os.environ.get("RANK", "0") or "0"
-    return int(raw) if raw.isdigit() else 0
+
+def _writes_here(rank_zero_only: bool, rank: int | None) -> bool:
+    """Whether a sink writes in this process: always, or only on global rank 0 (`rank`,
+    else torch.distributed's when initialized, else env RANK, 0 when unset)."""
+    if not rank_zero_only:
+        return True
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        else:
+            raw = os.environ.get("RANK", "0") or "0"
+            rank = int(raw) if raw.isdigit() else 0
+    return rank == 0
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -134,16 +142,25 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 class ConsoleSink:
-    """Prints the worst heads (by drift z) and every event, every `every` reports."""
+    """Prints the worst heads (by drift z) and every event, every `every` reports.
 
-    def __init__(self, *, top: int = 5, every: int = 1, stream: IO[str] | None = None):
+    rank_zero_only and rank as JsonlSink's: by default only global rank 0 prints (the
+    reduced numbers are the same on every rank; 1,024 ranks would print 1,024 copies).
+    """
+
+    def __init__(self, *, top: int = 5, every: int = 1, stream: IO[str] | None = None,
+                 rank_zero_only: bool = True, rank: int | None = None):
         if top < 1 or every < 1:
             raise ValueError(f"top and every must be ≥ 1, got top={top}, every={every}")
+        _check_rank(rank)
         self.top, self.every = top, every
         self.stream = stream or sys.stdout
+        self._rank_zero_only, self._rank = rank_zero_only, rank
         self._count = 0
 
     def write(self, report: StepReport) -> None:
+        if not _writes_here(self._rank_zero_only, self._rank):
+            return
         self._count += 1
         for e in report.events:
             verb = "switched" if e.applied else "recommend switching"

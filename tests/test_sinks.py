@@ -62,6 +62,13 @@ def test_console_lists_worst_heads_and_events():
     assert [ln.split()[1] for ln in lines] == ["2", "1"]  # by drift z, NaN last
 
 
+def test_console_prints_on_global_rank_zero_only_by_default():
+    quiet, loud = io.StringIO(), io.StringIO()
+    ConsoleSink(stream=quiet, rank=1).write(_report())
+    ConsoleSink(stream=loud, rank=1, rank_zero_only=False).write(_report())
+    assert quiet.getvalue() == "" and "worst heads" in loud.getvalue()
+
+
 def test_report_worst_puts_nan_last():
     assert [h.head for h in _report().worst(3)] == [2, 1, 0]
 
