@@ -149,3 +149,24 @@ def test_layer_summaries_take_maxima_without_nan_and_count_modes():
     assert s["delta_drift_z_max"] == 2.0 and s["tied_rowmax_ratio_max"] == 0.02
     assert math.isnan(s["attention_max_logit_max"])
     assert (s["heads"], s["heads_not_standard"], s["heads_flagged"]) == (3, 1, 1)
+
+
+def _gloo_sink_worker(rank, world, init_file, path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    sink = JsonlSink(path)  # no rank given, no RANK env var: torch.distributed's rank
+    sink.write(_report(rank))
+    sink.close()
+    dist.destroy_process_group()
+
+
+def test_jsonl_under_torch_distributed_only_rank_zero_writes(tmp_path, monkeypatch):
+    import torch.multiprocessing as mp
+
+    monkeypatch.delenv("RANK", raising=False)
+    path = tmp_path / "shared.jsonl"
+    mp.spawn(_gloo_sink_worker, args=(2, str(tmp_path / "init"), str(path)), nprocs=2,
+             join=True)
+    assert [r["step"] for r in read_jsonl(path)] == [0]
