@@ -61,7 +61,13 @@ class WatchConfig:
                       drift decayed; if not, escalate to FP32_O. Default 32.
       power_iters     the least number of warm-started power-iteration steps per
                       monitored step for the W^Q spectral norm; it goes on until σ
-                      changes by < 1e-6 (relative), at most 100. Default 4.
+                      changes by < 1e-6 (relative), at most power_max_iters. Default 4.
+      power_max_iters the most warm-started iterations per monitored step. Default 100:
+                      4–12 were needed at 80 layers × 64 heads (benchmarks/RESULTS.md);
+                      100 covers a fast-turning W^Q (4 left σ 1.6 % low once). At d_head
+                      128, d_model 8,192 one iteration reads W^Q twice, ≈ 0.11 ms per
+                      layer on an H100-class GPU: 80 layers at the cap ≈ 0.9 s per
+                      monitored step; lower it (≥ power_iters) to bound that.
     """
 
     every_n_steps: int = 10
@@ -83,14 +89,18 @@ class WatchConfig:
     min_history: int = 16
     verify_steps: int = 32
     power_iters: int = 4
+    power_max_iters: int = 100
 
     def __post_init__(self) -> None:
         positive_ints = ("every_n_steps", "rows_per_head", "sketch_dim", "window", "patience",
-                         "verify_steps", "power_iters")
+                         "verify_steps", "power_iters", "power_max_iters")
         for name in positive_ints:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("min_history", self.min_history, minimum=0)
         _check_int("seed", self.seed, minimum=0)
+        if self.power_max_iters < self.power_iters:
+            raise ValueError(f"power_max_iters must be ≥ power_iters ({self.power_iters}), "
+                             f"got {self.power_max_iters}")
         if self.window < 2:
             raise ValueError(f"window must be ≥ 2 monitored steps, got {self.window}")
         _check_float("eps", self.eps, lower=0.0)

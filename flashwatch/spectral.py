@@ -36,15 +36,15 @@ def start_vector(n_heads: int, dim: int, *, seed: int = DEFAULT_SEED,
 
 
 def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int = 4,
-                    tol: float = 1e-6, *, seed: int = DEFAULT_SEED
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tol: float = 1e-6, *, seed: int = DEFAULT_SEED,
+                    max_iters: int = WARM_MAX_ITERS) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest singular value of each W[h] (shape [H, a, b]).
 
     v      [H, b] right singular vector estimate from the previous call (warm start), or
            None for a cold start from seeded random vectors.
     iters  iterations on a warm start, continued until the relative change of every σ
-           is below `tol` (at most WARM_MAX_ITERS). A cold start iterates until then (at
-           most COLD_START_MAX_ITERS iterations).
+           is below `tol` (at most max(iters, max_iters), default WARM_MAX_ITERS). A cold
+           start iterates until then (at most COLD_START_MAX_ITERS iterations).
     Returns (sigma [H], v [H, b]); float64 when W is float64, else float32 (bf16/fp16
     weights are upcast: their own rounding would limit σ to ~3 significant digits).
     A zero W[h] gives σ = 0 and keeps its vector. A non-finite W[h] gives σ = NaN and
@@ -62,6 +62,9 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
                         f"cast with W.float()")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+        raise ValueError(f"max_iters must be a positive int, got {max_iters!r} (e.g. "
+                         f"{WARM_MAX_ITERS})")
     if (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
             or tol <= 0):
         raise ValueError(f"tol must be a finite number > 0, got {tol!r} (e.g. 1e-7)")
@@ -91,7 +94,7 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
             v = torch.where(bad[:, None], start(), v)
 
     sigma = torch.zeros(H, dtype=dtype, device=W.device)
-    n_iters = COLD_START_MAX_ITERS if cold else max(iters, WARM_MAX_ITERS)
+    n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
     for i in range(n_iters):
         u = torch.bmm(W, v[:, :, None])[:, :, 0]  # W v
         new_sigma = u.norm(dim=1)

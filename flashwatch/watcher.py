@@ -539,7 +539,8 @@ class Watcher:
             try:
                 with torch.no_grad():
                     s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
-                                                    cfg.power_iters)
+                                                    cfg.power_iters,
+                                                    max_iters=cfg.power_max_iters)
                 sigma[sl] = s.double().cpu()
             except Exception as e:
                 self._error(f"spectral norm {st.site.name}", e)

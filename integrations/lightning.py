@@ -102,6 +102,7 @@ class FlashWatchCallback(pl.Callback):
         min_history: int = 16,
         verify_steps: int = 32,
         power_iters: int = 4,
+        power_max_iters: int = 100,
         sinks: Iterable | None = None,
         sites=None,
         log_per_head: bool = False,

@@ -24,7 +24,8 @@ def test_defaults_are_valid_and_frozen():
     ("mitigation", "on", ValueError), ("backend", "cuda", ValueError),
     ("tie_ratio_threshold", 1.5, ValueError), ("coherence_threshold", 0.0, ValueError),
     ("drift_z_threshold", "4", TypeError), ("patience", 0, ValueError),
-    ("route_all", 1, TypeError),
+    ("route_all", 1, TypeError), ("power_max_iters", 3, ValueError),
+    ("power_max_iters", 0, ValueError),
 ])
 def test_invalid_values_name_the_field(field, value, exc):
     with pytest.raises(exc, match=field):
