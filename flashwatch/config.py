@@ -17,8 +17,9 @@ class WatchConfig:
     Cadence and sampling
       every_n_steps   monitor one optimizer step in this many (the others cost nothing
                       beyond the attention call itself). Default 10: at 80 layers × 64
-                      heads a monitored step costs each rank ≈ 0.2–0.3 s, under 1 % of a
-                      ≈ 5 s step of a 70B model on 1,024 GPUs once amortised
+                      heads a monitored step costs each rank ≈ 0.2–0.3 s (rank 0, with its
+                      sinks, up to 0.5 s), 0.4–1 % of a ≈ 5 s step of a 70B model on
+                      1,024 GPUs once amortised
                       (benchmarks/RESULTS.md, "At scale"); raise it for more margin.
       rows_per_head   query rows sampled per layer and monitored step for the δ probe;
                       each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
