@@ -31,9 +31,11 @@ each row of P sums to 1 up to BF16 rounding at any logit size. A backward that
 recomputes the scores in FP32 against this LSE does not (row sums 0.14-3.7 at logits
 near 900) and trains on wrong gradients.
 
-The tie rule has no underflow guard: at m_blk ≈ 250 a tied row's P̄ = exp(S - 2·m_blk)
-is ≈ exp(-250), below BF16's smallest subnormal (9.2e-41 = exp(-92)), so l_blk is the
-1e-10 floor, acc stays 0 and the row's O is exactly 0 (README "Limits" has counts).
+The tie rule has no underflow guard. A tied block with max m > 0 is shifted by β·m, so
+P̄ at the max is exp(-(β-1)·m). With β = 2: above m ≈ 23 the block sum falls below the
+1e-10 floor and O = acc / 1e-10 shrinks by the factor l/1e-10 (m = 30: O ≈ 0.002 of
+the truth); above m ≈ 92, P̄ is below BF16's smallest subnormal (9.2e-41) and O is
+exactly 0 (README has counts for logits 250 and 2,500).
 
 Mode.FP32_O (the paper's diagnosis, δ from an O kept in FP32): the forward is the
 STANDARD one above and returns the same BF16 O and LSE. Alongside, for these heads, it
