@@ -134,7 +134,8 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug):
             if hide is not None:
                 s = s.masked_fill(hide, masked)
 
-            m_blk = s.amax(-1, keepdim=True)
+            m_raw = s.amax(-1, keepdim=True)
+            m_blk = m_raw
             if any_beta:
                 near = (s >= m_blk - eps).sum(-1, keepdim=True)
                 tied = beta_h & (near > 1)
@@ -154,13 +155,15 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug):
                 pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1, keepdim=True))
             m = m_new
 
+            # Every row sees key 0, so the block maxima (before the tie rule) give the
+            # largest visible score: a hidden block's -finfo.max never wins.
+            mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
             if want_ties:
                 s32 = s.float()
                 if hide is not None:
                     s32 = s32.masked_fill(hide, -math.inf)
-                mx_new = torch.maximum(mx, s32.amax(-1))
                 cnt = _update_ties(mx, cnt, s32, mx_new, eps)
-                mx = mx_new
+            mx = mx_new
 
         o[:, :, q0:q1] = acc / l
         lse[:, :, q0:q1] = (torch.log(l) + m).squeeze(-1)
@@ -171,7 +174,7 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug):
             o_unnorm[:, :, q0:q1] = acc
         if want_ties:
             tied_rows += (cnt >= 2).sum((0, 2))
-            max_logit = torch.maximum(max_logit, mx.amax((0, 2)))
+        max_logit = torch.maximum(max_logit, mx.amax((0, 2)))
     return PaperForward(o, lse, o32, tied_rows, max_logit, B * Nq, pbar_max, o_unnorm)
 
 
