@@ -87,9 +87,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     backend: "auto" (Triton for bf16/fp16 CUDA tensors with D in 16/32/64/128, else the
       reference), "reference" (pure PyTorch, any device and dtype), or "triton"
       (bf16/fp16 only; CPU tensors need TRITON_INTERPRET=1 set before Python starts),
-      or "paper" (the reference in the arithmetic of the paper's public implementation:
-      scores, P̄, block products and running sums in the input dtype, 512-key blocks;
-      for research such as docs/REPRODUCTION.md, slower and less accurate on purpose).
+      or "paper" (kernels/paper.py: the paper's public implementation, bit-identical to
+      it run eagerly, forward and backward; everything in the input dtype, 512-key
+      blocks; for research such as docs/REPRODUCTION.md, less accurate on purpose).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call.

@@ -7,8 +7,8 @@
                                        backend) -> (dq, dk, dv)
 
 `backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
-TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper" (the
-reference in the paper implementation's BF16 arithmetic, for research); the caller
+TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper"
+(kernels/paper.py: the paper implementation's BF16 arithmetic, for research); the caller
 resolves "auto" (CUDA → Triton, CPU → reference) before calling, so one registered
 implementation serves every device. `modes` is an int tensor [H] of Mode values, read
 on the host (it normally lives on the CPU; see `flashwatch.attention`).
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import paper, reference
 from .common import normalize_head_modes
 
 OP_BACKENDS = ("reference", "triton", "paper")
@@ -89,9 +89,12 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                          scale=scale)
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
-    block_n = reference.PAPER_BLOCK_N if backend == "paper" else reference.BLOCK_N
+    if backend == "paper":
+        dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32_bh, causal=causal,
+                                       scale=scale, modes=modes)
+        return dq, dk, dv
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
-                                       scale=scale, modes=modes, block_n=block_n)
+                                       scale=scale, modes=modes)
     return dq, dk, dv
 
 

@@ -10,7 +10,7 @@ document names the command that reruns it. Arms:
   fp32_o       every head FP32_O from step 0 (δ from O kept in FP32)
   beta         every head BETA from step 0 (the paper's fix)
   fp32_delta   the paper's diagnosis: the same forward as unmitigated, but the backward
-               takes δ from an FP32 recomputation of O (reproduction/fp32_delta.py);
+               takes δ from the FP32 accumulation of O (reproduction/fp32_delta.py);
                paper backend only. The watcher measures SDPA's output here, so its δ
                metrics describe the forward's O, not the δ training used.
 Attention runs through the watcher with route_all=True on the configuration's backend
