@@ -84,6 +84,10 @@ CONFIGS = {
     # Same, fused arithmetic: does the kernel's arithmetic matter for its spikes?
     "nope-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
                                       backend="reference"),
+    # The paper's models have position embeddings: the same hot setting with them.
+    "pe-grammar-hotter": dict(lr=3e-2, weight_decay=0.0, clip=1e9, position_embedding=True),
+    "pe-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
+                                    position_embedding=True, backend="reference"),
 }
 
 SPIKE_NATS = 1.0  # a spike: the loss EMA rises this far above its best value so far
