@@ -63,9 +63,11 @@ class WatchConfig:
     Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
       delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
                       which a head goes to FP32_O directly (no tie gate). Default 0.1:
-                      measured 0.002 at initialisation and ≈ 0.015 in a fused kernel at
-                      large logits, 0.2–0.4 before the CPU-scale spikes
-                      (docs/REPRODUCTION.md §2).
+                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, 0.2–0.4
+                      before the CPU-scale spikes, 0.54 at logits ≈ 140 in a run that
+                      did not spike (docs/REPRODUCTION.md §2). Synthetic streams: 0 of
+                      200 heads switched in 1000 monitored steps at a true share of
+                      0.07, all 200 at 0.2 (tests/test_policy.py).
       delta_share_steps      consecutive monitored steps at or above the threshold
                       before acting. Default 8 (one noisy 64-row estimate never acts).
       beta_max_excess        BETA is chosen only where its shift stays this many nats or
@@ -80,7 +82,9 @@ class WatchConfig:
                       15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo ≈ 15) while heads
                       grow ×5–7 at different rates, which the rule took for a hazard in
                       runs that never spiked; the δ error is a large share of the
-                      gradient only from logits ≈ 100 on (DESIGN §1 measurements).
+                      gradient only at logits in the hundreds (docs/REPRODUCTION.md §2).
+                      The demo: 12 and 8 heads flagged without the floor (seeds 0, 1),
+                      all at max logits ≤ 15; none with it.
 
     QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and FP32_O.
       qk_clip_threshold      τ: after each monitored step, heads whose max logit exceeds

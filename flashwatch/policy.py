@@ -1,25 +1,37 @@
-"""Mitigation policy (DESIGN.md §6): per head, STANDARD → BETA → FP32_O, never down.
+"""Mitigation policy: per head, STANDARD → BETA → FP32_O, never down. Two hazards, two fixes.
 
-A head is *flagged* on a monitored step when
-    its window holds ≥ min_history steps, and
-    tie_ratio ≥ tie_ratio_threshold, and
-    ( drift:    delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold
-      or growth: spectral_growth ≥ spectral_growth_threshold and
-                 spectral_growth ≥ spectral_growth_factor × median spectral_growth ).
-The median is over the finite spectral_growth of all heads given to the policy (the
-lower middle value for an even count), so growth shared by most heads (warmup, a
-learning-rate change) flags nobody. NaN in any input makes its comparison False, so
-NaN never flags.
+(a) The δ error is a large share of the W^Q gradient: `share` (delta_error_share) ≥
+    delta_share_threshold on delta_share_steps consecutive monitored steps → FP32_O
+    directly, from STANDARD or BETA, no tie gate, no min_history (reason "[delta_share]").
+(b) The δ error persists in sign, or W^Q grows abnormally, while ties are elevated. A
+    head is *flagged* for it on a monitored step when
+      its window holds ≥ min_history steps, and
+      tie_ratio ≥ tie_ratio_threshold, and
+      ( drift:  delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold
+        or growth: spectral_growth ≥ spectral_growth_threshold and
+                   spectral_growth ≥ spectral_growth_factor × median spectral_growth and
+                   max logit ≥ growth_min_logit ).
+    The median is over the finite spectral_growth of all heads given to the policy (the
+    lower middle value for an even count), so growth shared by most heads (warmup, a
+    learning-rate change) flags nobody; the logit floor (c) keeps ordinary early growth,
+    at small logits, from flagging anybody (reason "[drift]", "[wq_growth]").
+    After `patience` consecutive flagged steps: BETA where BETA is safe, i.e. its shift
+    lies at most beta_max_excess nats above the row max ((β − 1)·max logit, see
+    `beta_excess`); FP32_O where it is not or the max logit is NaN (BETA's unguarded
+    paper form zeroes rows from ≈ 88 nats; the fused kernels guard at 60).
+NaN in any input makes its comparison False, so NaN never flags.
 
 State machine per head (the same in "advise" and "auto"):
-  STANDARD  after `patience` consecutive flagged steps → BETA.
+  STANDARD  flagged for `patience` steps → BETA (or FP32_O, above); rule (a) → FP32_O.
   BETA      counts monitored steps since the switch; once ≥ verify_steps, `patience`
             consecutive steps whose drift persists (z and coherence over threshold, ties
-            not required: BETA does not remove ties, it removes their bias) → FP32_O.
-            If the drift decayed, the head stays in BETA (and may still escalate later
-            if the drift comes back).
+            not required: BETA does not remove ties, it removes their bias) → FP32_O
+            ("[drift_persists]"). If the drift decayed, the head stays in BETA (and may
+            still escalate later if the drift comes back). A max logit beyond the BETA
+            limit → FP32_O at once ("[beta_unsafe]"); rule (a) → FP32_O.
   FP32_O    final.
-Modes only go up, so there is no flapping.
+Modes only go up, so there is no flapping. Every event's reason starts with the rule
+in brackets and gives the numbers that decided it.
 
 mitigation "off": flags are still reported; recommended = applied modes; no events.
 "advise": the state machine runs on a recommended mode per head (never below the

@@ -1,6 +1,6 @@
 """Per-head QK-clip (opt-in, `WatchConfig.qk_clip_threshold`): bound the attention logits.
 
-Kimi K2's MuonClip and Megatron-LM's `--qk-clip` (DESIGN.md §6): after the optimizer
+Kimi K2's MuonClip and Megatron-LM's `--qk-clip`: after the optimizer
 step, a head h whose max logit m_h of the step exceeds τ gets
 
     W^Q rows of h  × η_h^α,   W^K rows of h  × η_h^(1−α),   η_h = τ / m_h,

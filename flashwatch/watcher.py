@@ -165,7 +165,8 @@ class Watcher:
 
     @property
     def events(self) -> list:
-        """Every mode change (applied or advised) since the start, oldest first."""
+        """Every mode change and QK-clip (applied or advised) since the start, oldest
+        first."""
         return list(self._events)
 
     def head_modes(self) -> dict[str, list[Mode]]:

@@ -416,3 +416,26 @@ def test_dtensor_shards_are_scaled_locally(tmp_path):
     for n, p in model.named_parameters():
         if "c_attn" in n:
             assert torch.equal(got["fsdp"][n], p.detach()), n
+
+
+def test_clip_events_reach_the_sinks_and_the_run_report(tmp_path):
+    import io
+
+    from flashwatch import runreport
+    from flashwatch.sinks import ConsoleSink, JsonlSink
+
+    torch.manual_seed(0)
+    model = _gpt()
+    x = _batch(model)
+    _boost(model, x)
+    out = io.StringIO()
+    w = fw.watch(model, every_n_steps=1, route_all=True, mitigation="auto",
+                 qk_clip_threshold=TAU,
+                 sinks=[JsonlSink(tmp_path / "flashwatch.jsonl"), ConsoleSink(stream=out)])
+    _one_step(model, w, x)
+    w.remove()
+    assert out.getvalue().count("QK-clipped") == 3 and "->" not in out.getvalue().split(
+        "worst heads")[0]
+    md = runreport._markdown(runreport.load_run(tmp_path))
+    assert "## QK-clips" in md and "None: no head was flagged" in md  # clips are no modes
+    assert md.count("| transformer.h.") == 3
