@@ -86,7 +86,7 @@ class QKClip:
                               f"{_g(eta_k[h // group])})"
                 events.append(Event(
                     step=step, layer=site.name, head=h, from_mode=mode, to_mode=mode,
-                    reason=(f"qk_clip: max logit {_g(max_logit[off + h])} > τ {_g(tau)}: "
+                    reason=(f"[qk_clip] max logit {_g(max_logit[off + h])} > τ {_g(tau)}: "
                             f"η = {_g(e[h])}, W^Q × η^{_g(alpha)} = {_g(e[h] ** alpha)}, "
                             f"{k_text}"),
                     applied=apply, kind="qk_clip"))
