@@ -59,6 +59,40 @@ class WatchConfig:
       power_iters     the least number of warm-started power-iteration steps per
                       monitored step for the W^Q spectral norm; it goes on until σ
                       changes by < 1e-6 (relative), at most 100. Default 4.
+
+    Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
+      delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
+                      which a head goes to FP32_O directly (no tie gate). Default 0.1:
+                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, 0.2–0.4
+                      before the CPU-scale spikes, 0.54 at logits ≈ 140 in a run that
+                      did not spike (docs/REPRODUCTION.md §2). Synthetic streams: 0 of
+                      200 heads switched in 1000 monitored steps at a true share of
+                      0.07, all 200 at 0.2 (tests/test_policy.py).
+      delta_share_steps      consecutive monitored steps at or above the threshold
+                      before acting. Default 8 (one noisy 64-row estimate never acts).
+      beta_max_excess        BETA is chosen only where its shift stays this many nats or
+                      less above the row max, (β − 1)·max logit ≤ beta_max_excess (the
+                      fused and Triton kernels' underflow guard, 60 nats; within it the
+                      shift is the authors' exact β·r_m). Elsewhere the policy picks
+                      FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
+                      backend="paper" the limit is at most 20: the authors' unguarded rule
+                      floors a tied row's block sum from ≈ 23.7 nats (O shrinks) and
+                      zeroes rows from ≈ 88 nats (tests/test_policy.py). Default 60.0.
+      growth_min_logit       the W^Q-growth rule flags a head only while its max logit is
+                      at least this. Default 100: at ordinary settings logits stay at
+                      15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo ≈ 15) while heads
+                      grow ×5–7 at different rates, which the rule took for a hazard in
+                      runs that never spiked; the δ error is a large share of the
+                      gradient only at logits in the hundreds (docs/REPRODUCTION.md §2).
+                      The demo: 12 and 8 heads flagged without the floor (seeds 0, 1),
+                      all at max logits ≤ 15; none with it.
+
+    QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and FP32_O.
+      qk_clip_threshold      τ: after each monitored step, heads whose max logit exceeds
+                      τ get W^Q rows × η^α and W^K rows × η^(1−α), η = τ / max logit
+                      (Kimi K2 MuonClip, Megatron-LM --qk-clip; Megatron's τ is 100).
+                      None (default): off.
+      qk_clip_alpha          α, the share of the reduction put on W^Q. Default 0.5.
     """
 
     every_n_steps: int = 10
@@ -80,6 +114,12 @@ class WatchConfig:
     min_history: int = 16
     verify_steps: int = 32
     power_iters: int = 4
+    delta_share_threshold: float = 0.1
+    delta_share_steps: int = 8
+    beta_max_excess: float = 60.0
+    growth_min_logit: float = 100.0
+    qk_clip_threshold: float | None = None
+    qk_clip_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         positive_ints = ("every_n_steps", "rows_per_head", "sketch_dim", "window", "patience",
@@ -104,6 +144,14 @@ class WatchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.route_all, bool):
             raise TypeError(f"route_all must be a bool, got {self.route_all!r}")
+        _check_float("delta_share_threshold", self.delta_share_threshold, lower=0.0)
+        _check_int("delta_share_steps", self.delta_share_steps, minimum=1)
+        _check_float("beta_max_excess", self.beta_max_excess, lower=0.0)
+        _check_float("growth_min_logit", self.growth_min_logit, lower=-math.inf,
+                     lower_ok=True)
+        if self.qk_clip_threshold is not None:
+            _check_float("qk_clip_threshold", self.qk_clip_threshold, lower=0.0)
+        _check_float("qk_clip_alpha", self.qk_clip_alpha, lower=0.0, upper=1.0, lower_ok=True)
 
     def to_dict(self) -> dict:
         return asdict(self)

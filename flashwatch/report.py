@@ -48,7 +48,8 @@ class HeadRecord:
 
 @dataclass
 class Event:
-    """A mode change (applied in "auto", recommended in "advise")."""
+    """A mode change (applied in "auto", recommended in "advise"), or with
+    kind="qk_clip" a QK-clip of the head's W^Q/W^K (from_mode = to_mode = its mode)."""
 
     step: int
     layer: str
@@ -57,6 +58,7 @@ class Event:
     to_mode: Mode
     reason: str
     applied: bool
+    kind: str = "mode"  # "mode" | "qk_clip"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -68,7 +70,8 @@ class Event:
     def from_dict(cls, d: dict) -> Event:
         return cls(step=int(d["step"]), layer=str(d["layer"]), head=int(d["head"]),
                    from_mode=Mode[d["from_mode"]], to_mode=Mode[d["to_mode"]],
-                   reason=str(d["reason"]), applied=bool(d["applied"]))
+                   reason=str(d["reason"]), applied=bool(d["applied"]),
+                   kind=str(d.get("kind", "mode")))
 
 
 @dataclass
@@ -80,6 +83,7 @@ class StepReport:
     monitor_errors_total: int = 0  # failures inside flashwatch so far (never raised)
     # layers whose non-STANDARD modes could not be applied, and why (e.g. attn_mask)
     unmitigable: dict[str, str] = field(default_factory=dict)
+    qk_clips_total: int = 0  # QK-clips applied over the run (resumes with the watcher)
 
     def to_dict(self) -> dict:
         return {
@@ -87,6 +91,7 @@ class StepReport:
             "monitor_seconds": self.monitor_seconds,
             "monitor_errors_total": self.monitor_errors_total,
             "unmitigable": dict(self.unmitigable),
+            "qk_clips_total": self.qk_clips_total,
             "heads": [h.to_dict() for h in self.heads],
             "events": [e.to_dict() for e in self.events],
         }

@@ -32,6 +32,7 @@ from flashwatch import probe
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
+from flashwatch.qkclip import QKClip
 from flashwatch.report import HeadRecord, StepReport
 from flashwatch.signals import HeadSignals
 from flashwatch.sinks import Sink
@@ -129,6 +130,7 @@ class Watcher:
                        for h in range(st.site.num_heads)]
         self._signals = HeadSignals(len(self._heads), k, cfg.window)
         self._policy = Policy(cfg, self._heads)
+        self._qk_clip = QKClip(cfg, self.sites)
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._step = 0  # optimizer steps completed = index of the step being accumulated
         self._monitoring = True  # step 0 is monitored
@@ -163,7 +165,8 @@ class Watcher:
 
     @property
     def events(self) -> list:
-        """Every mode change (applied or advised) since the start, oldest first."""
+        """Every mode change and QK-clip (applied or advised) since the start, oldest
+        first."""
         return list(self._events)
 
     def head_modes(self) -> dict[str, list[Mode]]:
@@ -251,6 +254,7 @@ class Watcher:
             "events": [e.to_dict() for e in self._events],
             "unreported": [e.to_dict() for e in self._unreported],
             "errors_total": self._errors_total,
+            "qk_clip": self._qk_clip.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -280,6 +284,8 @@ class Watcher:
         self._events = [Event.from_dict(e) for e in sd["events"]]
         self._unreported = [Event.from_dict(e) for e in sd.get("unreported", [])]
         self._errors_total = int(sd["errors_total"])
+        if "qk_clip" in sd:
+            self._qk_clip.load_state_dict(sd["qk_clip"])
 
     def remove(self) -> None:
         """Detach every hook and close the sinks; the model is left as it was."""
@@ -553,13 +559,16 @@ class Watcher:
         G = torch.where(no_grad.view(-1, 1, 1), math.nan, G)
         values = self._signals.update(G, sigma)
         modes = torch.cat([st.modes for st in self._states]).long()
-        decision = self._policy.decide(step, tie_ratio, values, modes)
+        # share: delta_error_share per head, wired by issue 12's full-row δ sums.
+        decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
+                                       share=None)
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
             st.modes = new_modes[st.offset:st.offset + st.site.num_heads].clone()
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
+        clips = self._safe_qk_clip(step, max_logit, new_modes)
         records = []
         for i, (layer, head) in enumerate(self._heads):
             records.append(HeadRecord(
@@ -578,10 +587,21 @@ class Watcher:
             ))
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
-        events = self._unreported + list(decision.events)
+        events = self._unreported + list(decision.events) + clips
         self._unreported = []
         return StepReport(step=step, heads=records, events=events,
-                          unmitigable=unmitigable)
+                          unmitigable=unmitigable, qk_clips_total=self._qk_clip.total)
+
+    def _safe_qk_clip(self, step, max_logit, modes) -> list:
+        """QK-clip after the reduction: max_logit is the same on every rank, so are the
+        factors (flashwatch/qkclip.py)."""
+        try:
+            clips = self._qk_clip.apply(step, max_logit, modes)
+        except Exception as e:
+            self._error("qk_clip", e)
+            return []
+        self._events.extend(clips)
+        return clips
 
     # ----------------------------------------------------------------------- errors
 

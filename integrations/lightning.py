@@ -68,6 +68,7 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/monitor_errors_total          failures inside flashwatch so far
       flashwatch/mitigations_total             mode switches applied so far
       flashwatch/heads_not_standard            heads in BETA or FP32_O, all layers
+      flashwatch/qk_clips_total                QK-clips applied so far (opt-in)
       flashwatch/<layer>/tied_rowmax_ratio_max     max over the layer's heads
       flashwatch/<layer>/attention_max_logit_max
       flashwatch/<layer>/delta_drift_z_max
@@ -105,6 +106,12 @@ class FlashWatchCallback(pl.Callback):
         min_history: int = 16,
         verify_steps: int = 32,
         power_iters: int = 4,
+        delta_share_threshold: float = 0.1,
+        delta_share_steps: int = 8,
+        beta_max_excess: float = 60.0,
+        growth_min_logit: float = 100.0,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
         sinks: Iterable | None = None,
         sites=None,
         log_per_head: bool = False,
@@ -256,7 +263,9 @@ class FlashWatchCallback(pl.Callback):
             "flashwatch/monitor_step": report.step,
             "flashwatch/monitor_seconds": report.monitor_seconds,
             "flashwatch/monitor_errors_total": w.monitor_errors_total,
-            "flashwatch/mitigations_total": sum(e.applied for e in w.events),
+            "flashwatch/mitigations_total": sum(e.applied and e.kind == "mode"
+                                                for e in w.events),
+            "flashwatch/qk_clips_total": report.qk_clips_total,
             "flashwatch/heads_not_standard": sum(h.head_mode != Mode.STANDARD
                                                  for h in report.heads),
         }

@@ -78,6 +78,7 @@ METRIC_NAMES = (
     "flashwatch_monitor_step",
     "flashwatch_monitor_seconds",
     "flashwatch_monitor_errors_total",
+    "flashwatch_qk_clip_total",
 )
 
 
@@ -120,6 +121,7 @@ class PrometheusSink:
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
         self._mitigations: Counter = Counter()  # (layer, head, mode) -> applied events
+        self._clips: Counter = Counter()  # (layer, head) -> applied QK-clips
         self._page: tuple | None = None  # (snapshot, page text, gzipped page text)
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
@@ -137,16 +139,20 @@ class PrometheusSink:
         heads = tuple((h.layer, str(h.head), tuple(float(getattr(h, f)) for f, _ in HEAD_GAUGES),
                        int(h.head_mode)) for h in report.heads)
         for e in report.events:
-            if e.applied:
+            if e.applied and e.kind == "qk_clip":
+                self._clips[(e.layer, str(e.head))] += 1
+            elif e.applied:
                 self._mitigations[(e.layer, str(e.head), Mode(e.to_mode).name)] += 1
         # Zero-initialise a counter per head and mitigating mode so that rate()/increase()
         # see the first switch (a series born at 1 hides it); STANDARD only if it happens.
         for layer, head, _, _ in heads:
             for mode in ("BETA", "FP32_O"):
                 self._mitigations.setdefault((layer, head, mode), 0)
+            self._clips.setdefault((layer, head), 0)
         snap = _Snapshot(step=int(report.step), seconds=float(report.monitor_seconds),
                          errors=int(report.monitor_errors_total), heads=heads,
-                         mitigations=tuple(sorted(self._mitigations.items())))
+                         mitigations=tuple(sorted(self._mitigations.items())),
+                         clips=tuple(sorted(self._clips.items())))
         with self._lock:
             self._snapshot = snap
 
@@ -242,6 +248,10 @@ class PrometheusSink:
         errors = CounterMetricFamily("flashwatch_monitor_errors",
                                      "Failures inside flashwatch (never raised into "
                                      "training) over the run; resumes with the watcher.")
+        clips = CounterMetricFamily(
+            "flashwatch_qk_clip", "QK-clips applied to the head's W^Q and W^K (opt-in "
+            "qk_clip_threshold, mitigation auto; counted by this exporter since it started).",
+            labels=["layer", "head"])
         if snap is not None:
             for layer, head, values, m in snap.heads:
                 for g, v in zip(gauges, values, strict=True):
@@ -252,8 +262,10 @@ class PrometheusSink:
             step.add_metric([], snap.step)
             secs.add_metric([], snap.seconds)
             errors.add_metric([], snap.errors)
+            for (layer, head), n in snap.clips:
+                clips.add_metric([layer, head], n)
         yield from gauges
-        yield from (mode, mitig, step, secs, errors)
+        yield from (mode, mitig, step, secs, errors, clips)
 
 
 class _Snapshot(NamedTuple):
@@ -264,6 +276,7 @@ class _Snapshot(NamedTuple):
     errors: int
     heads: tuple  # ((layer, head as str, (gauge values in HEAD_GAUGES order), mode), ...)
     mitigations: tuple  # (((layer, head, mode), count), ...)
+    clips: tuple = ()  # (((layer, head), applied QK-clips), ...)
 
 
 class _Collector(Collector):

@@ -25,6 +25,10 @@ def test_defaults_are_valid_and_frozen():
     ("tie_ratio_threshold", 1.5, ValueError), ("coherence_threshold", 0.0, ValueError),
     ("drift_z_threshold", "4", TypeError), ("patience", 0, ValueError),
     ("route_all", 1, TypeError),
+    ("delta_share_threshold", 0.0, ValueError), ("delta_share_steps", 0, ValueError),
+    ("beta_max_excess", -1.0, ValueError), ("growth_min_logit", float("inf"), ValueError),
+    ("qk_clip_threshold", -5.0, ValueError), ("qk_clip_threshold", "100", TypeError),
+    ("qk_clip_alpha", -0.1, ValueError), ("qk_clip_alpha", float("nan"), ValueError),
 ])
 def test_invalid_values_name_the_field(field, value, exc):
     with pytest.raises(exc, match=field):

@@ -130,7 +130,7 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
     keys = {k for r in rows for k, v in r.items() if k.startswith("flashwatch/") and v != ""}
     want = {"flashwatch/monitor_step", "flashwatch/monitor_seconds",
             "flashwatch/monitor_errors_total", "flashwatch/mitigations_total",
-            "flashwatch/heads_not_standard"}
+            "flashwatch/heads_not_standard", "flashwatch/qk_clips_total"}
     for layer in LAYERS:
         want |= {f"flashwatch/{layer}/{m}_max" for m in (
             "tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
@@ -148,7 +148,7 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
             "wq_spectral_norm", "layer_index", "head")}
     assert keys == want
     # the docstring's count: 5 + 7·L + 9·top_k, + 8 per head
-    assert len(want) == 5 + 7 * 2 + 9 * 3 + 8 * 8
+    assert len(want) == 6 + 7 * 2 + 9 * 3 + 8 * 8
     doc = FlashWatchCallback.__doc__
     for key in want:  # every key family is documented
         generic = re.sub(r"model\.transformer\.h\.\d\.attn", "<layer>", key)

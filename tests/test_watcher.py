@@ -488,3 +488,21 @@ def test_a_raising_sink_or_probe_never_stops_training(monkeypatch, caplog):
     logged = [r for r in caplog.records if r.name == "flashwatch"]
     assert len(logged) == 3  # once for the sink, once per layer's probe
     assert reports[-1].monitor_errors_total == 3
+
+
+def test_the_policy_sees_each_heads_max_logit(monkeypatch):
+    """The planted drift of _planted_watch, with BETA allowed only below 0.01 nats of
+    shift: every switch must go to FP32_O, its reason quoting the reported max logit."""
+    _biased_kernel(monkeypatch)
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    w = fw.watch(model, every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+                 verify_steps=8, window=32, beta_max_excess=0.01)
+    reports = _drive(model, w, 30)
+    events = [e for e in w.events if e.kind == "mode"]
+    assert events and all(e.to_mode == Mode.FP32_O for e in events)
+    e = events[0]
+    (rep,) = [r for r in reports if r is not None and r.step == e.step]
+    logit = next(h.attention_max_logit for h in rep.heads if (h.layer, h.head) ==
+                 (e.layer, e.head))
+    assert f"BETA unsafe at max logit {logit:.3g}" in e.reason

@@ -158,7 +158,8 @@ def _rows() -> list[tuple[str, list[dict]]]:
         _timeseries("W^Q spectral-norm growth over 30 min vs layer median",
                     "Relative growth of each head's norm from its 30-minute minimum "
                     f"(top {TOPK} heads) and the median head of each layer (dashed); the "
-                    "alert fires at ≥ 20 % and > 3 × the median.",
+                    "alert fires at ≥ 20 % and > 3 × the median while the head's max logit "
+                    "is ≥ 100 (below it the growth is ordinary learning).",
                     [_target(f"topk({TOPK}, head:flashwatch_wq_spectral_norm:growth30m{{{SEL}}})",
                              "{{layer}} h{{head}}"),
                      _target(f'layer:flashwatch_wq_spectral_norm_growth30m:median{{{JOB}, '
@@ -188,6 +189,13 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "mode (also drawn as red annotations on every panel).",
                     [_target("sum by (layer, head, mode) (increase(flashwatch_mitigations_total"
                              f"{{{SEL}}}[$__rate_interval]))", "{{layer}} h{{head}} → {{mode}}")],
+                    drawStyle="bars", fillOpacity=80),
+        _timeseries("QK-clips applied",
+                    "W^Q/W^K rescalings of heads whose max logit exceeded qk_clip_threshold "
+                    "(opt-in, mitigation auto) per interval; unlike a mode switch they "
+                    "change the model.",
+                    [_target("sum by (layer, head) (increase(flashwatch_qk_clip_total"
+                             f"{{{SEL}}}[$__rate_interval]))", "{{layer}} h{{head}}")],
                     drawStyle="bars", fillOpacity=80),
     ]
     monitor = [
@@ -331,6 +339,7 @@ ALERT_META = {
     "FlashwatchMonitorErrors": ("fw-monitor-errors", "Monitor errors"),
     "FlashwatchExporterDown": ("fw-exporter-down", "Exporter up and monitored step"),
     "FlashwatchExporterAbsent": ("fw-exporter-absent", "Exporter up and monitored step"),
+    "FlashwatchQkClipApplied": ("fw-qk-clip", "QK-clips applied"),
 }
 
 
