@@ -27,7 +27,9 @@ class WatchConfig:
 
     Kernel
       eps             tie tolerance in scaled-score units (DESIGN.md §4). Default 1e-3.
-      beta            β of the BETA fix (paper: 2..8). Default 2.0.
+      beta            β of the BETA fix (paper: 2..8). Default 2.0. eps and beta apply
+                      to every attention call in a watched layer, also to a
+                      flashwatch.attention call that passes its own (logged once).
       backend         attention backend for routed calls: "auto" | "reference" | "triton"
                       | "paper" (see flashwatch.attention). Default "auto".
       route_all       route every watched attention call through flashwatch.attention

@@ -405,9 +405,16 @@ class Watcher:
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats)
+            # One β and eps per watched layer, the WatchConfig's: the heads the policy
+            # switches and the ties it counts must use the values it was configured with.
+            if (beta, eps) != (self.config.beta, self.config.eps):
+                self._warn_once(st, "beta", f"flashwatch: {st.site.name} calls "
+                                f"flashwatch.attention with beta={beta}, eps={eps}; inside a "
+                                f"watched layer the WatchConfig's beta={self.config.beta}, "
+                                f"eps={self.config.eps} apply (pass them to flashwatch.watch)")
             try:
                 out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                                   beta=beta, eps=eps, backend=backend)
+                                   backend=backend)
             except Exception as e:  # a failure of ours: run the call as it was made
                 self._error(f"routing {st.site.name}", e)
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,

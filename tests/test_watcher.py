@@ -371,6 +371,41 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
 
 
+def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
+        monkeypatch, caplog):
+    class CallsWithBeta(nn.Module):  # a model that passes its own β to flashwatch.attention
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(32, 96)
+            self.n_head = 2
+
+        def forward(self, x, beta):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+            return fw.attention(q, k, v, causal=True, head_modes=[Mode.BETA] * 2, beta=beta,
+                                eps=1e-2)
+
+    seen = []
+    real = fw_dispatch._dispatch
+    monkeypatch.setattr(fw_dispatch, "_dispatch", lambda *a, **kw: (
+        seen.append((kw["beta"], kw["eps"])), real(*a, **kw))[1])
+    model = nn.Sequential(CallsWithBeta())
+    x = torch.randn(2, 8, 32)
+    model[0](x, beta=8.0)
+    assert seen == [(8.0, 1e-2)]  # unwatched: the caller's values
+    w = fw.watch(model, every_n_steps=1, beta=3.0, eps=2e-3)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            model[0](x, beta=8.0)
+    assert seen[1:] == [(3.0, 2e-3)] * 2
+    warnings = [r.message for r in caplog.records if "beta=8.0" in r.message]
+    assert len(warnings) == 1 and "beta=3.0" in warnings[0]
+    w.remove()
+    model[0](x, beta=8.0)
+    assert seen[-1] == (8.0, 1e-2)
+
+
 # ------------------------------------------------------------------- resume, ranks
 
 
