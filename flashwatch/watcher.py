@@ -369,6 +369,9 @@ class Watcher:
         a = dict(zip(names, args, strict=False))  # SDPA takes fewer positionals
         a.update(kwargs)
         q, k, v = a["query"], a["key"], a["value"]
+        if torch.is_autocast_enabled(q.device.type):  # route and probe what SDPA computes
+            dt = torch.get_autocast_dtype(q.device.type)  # with: rotary models hand it
+            q, k, v = (t.to(dt) for t in (q, k, v))  # FP32 q, k and a BF16 v
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
         route = self.config.route_all or bool(st.modes.any())

@@ -371,6 +371,36 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
 
 
+def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
+    class Rotaryish(nn.Module):  # like HF Llama under autocast: FP32 q, k (rotary), BF16 v
+        def __init__(self):
+            super().__init__()
+            self.c_attn = nn.Linear(32, 96)
+            self.n_head = 2
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = self.c_attn(x).split(C, dim=2)
+            q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+            return F.scaled_dot_product_attention(q.float(), k.float(), v, is_causal=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Rotaryish())
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("0", [Mode.BETA, Mode.FP32_O])
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        q, k, v = (t.view(2, 8, 2, -1).transpose(1, 2) for t in model[0].c_attn(x).split(32, 2))
+    want = fw.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                        head_modes=[Mode.BETA, Mode.FP32_O])
+    out.float().sum().backward()
+    r = w.step()
+    assert w.monitor_errors_total == 0 and r.unmitigable == {}
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
 def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
         monkeypatch, caplog):
     class CallsWithBeta(nn.Module):  # a model that passes its own β to flashwatch.attention
