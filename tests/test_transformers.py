@@ -5,6 +5,8 @@ kept out, the Prometheus endpoint, and resume from a checkpoint."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -213,3 +215,12 @@ def test_resume_from_checkpoint_continues_like_the_uninterrupted_run(tmp_path):
     assert [m.tolist() for m in final2["modes"]] == [m.tolist() for m in final["modes"]]
     assert final2["events"] == final["events"]
     assert torch.equal(final2["rng"], final["rng"])
+
+
+def test_without_transformers_the_import_error_names_the_pip_command():
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "try:\n    import flashwatch.integrations.transformers\n"
+            "except ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "pip install 'flashwatch[transformers]'" in out
