@@ -1,4 +1,4 @@
-"""Mitigation policy (DESIGN.md §6): per head, STANDARD → BETA → FP32_O, never down.
+"""Mitigation policy (docs/design.md §6): per head, STANDARD → BETA → FP32_O, never down.
 
 A head is *flagged* on a monitored step when
     its window holds ≥ min_history steps, and

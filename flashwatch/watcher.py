@@ -1,6 +1,6 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
-One monitored optimizer step, end to end (DESIGN.md §2):
+One monitored optimizer step, end to end (docs/design.md §2):
   forward   a forward pre-hook on each watched attention module marks it current; a
             TorchFunctionMode (pushed only while that module runs, and only when needed)
             catches its F.scaled_dot_product_attention call, and flashwatch.attention

@@ -1,4 +1,4 @@
-"""`FlashWatchCallback`: flashwatch for PyTorch Lightning in one line (DESIGN.md §7).
+"""`FlashWatchCallback`: flashwatch for PyTorch Lightning in one line (docs/design.md §7).
 
     from flashwatch.integrations.lightning import FlashWatchCallback
     trainer = L.Trainer(callbacks=[FlashWatchCallback(mitigation="auto")], ...)

@@ -1,6 +1,6 @@
 """dashboards/: Prometheus rules (promtool), the Grafana dashboard JSON and the Grafana
 alert rules, checked offline, and every dashboard query run against a real Prometheus
-that scrapes a training job (DESIGN.md §7).
+that scrapes a training job (docs/design.md §7).
 
 promtool and prometheus come with Debian's `prometheus` package (`make test` installs it).
 When they are missing these tests FAIL (never skip): CI must not go green without them.

@@ -289,7 +289,7 @@ def _biased_kernel(monkeypatch, bias=1e-2):
 
 def _drive(model, w, steps, seed=0, vary=False):
     # Fixed input, loss = sum: dO keeps its sign, so c[T] keeps its sign: the planted
-    # persistent error of DESIGN.md §1 step 3. vary=True draws a new input every step.
+    # persistent error of docs/design.md §1 step 3. vary=True draws a new input every step.
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 16, 32, generator=g).bfloat16()
     model = model.bfloat16()
