@@ -58,7 +58,8 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
                    continues exactly (a checkpoint from another output_dir: warned,
                    the watcher starts fresh).
       train end    removes the watcher; the model is left as it was.
-      A failure inside flashwatch is logged and counted, never raised into training.
+      A failure inside flashwatch is logged, never raised into training (the
+      watcher's own failures are also counted in monitor_errors_total).
     """
 
     def __init__(self, trainer, *, sinks=None, sites=None, log_per_head: bool = False,
@@ -93,6 +94,8 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
     # ------------------------------------------------------------------ Trainer events
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self.watcher is not None:  # the last train() ended on an exception
+            self._close()
         model = self.trainer.model
         try:
             sites = flashwatch.find_sites(model, self.sites)
@@ -137,20 +140,21 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if self.watcher is None or not args.should_save:
             return
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
-                            STATE_FILE)
-        self._guard("saving the watcher state", torch.save, self.watcher.state_dict(), path)
+        self._guard("saving the watcher state", torch.save, self.watcher.state_dict(),
+                    _state_path(args, state))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.watcher is not None:
-            self._final_state = shared.close_watcher(self.watcher, self.sinks)
-            self.watcher, self._latest = None, None
+            self._close()
 
     # ------------------------------------------------------------------------ methods
 
+    def _close(self) -> None:
+        self._final_state = shared.close_watcher(self.watcher, self.sinks)
+        self.watcher, self._latest = None, None
+
     def _restore(self, args, state) -> None:
-        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
-                            STATE_FILE)
+        path = _state_path(args, state)
         if not os.path.isfile(path):
             log.warning("flashwatch: resuming at step %d without a watcher state: %s does not "
                         "exist (a checkpoint from another output_dir?); monitoring starts "
@@ -171,3 +175,10 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
                 self._failed.add(what)
                 log.error("flashwatch: %s failed (%s: %s); training continues", what,
                           type(e).__name__, e, exc_info=e)
+
+
+def _state_path(args, state) -> str:
+    """The watcher's file in the checkpoint folder the Trainer writes (and resumes at) for
+    this step: <output_dir>/checkpoint-<step>/flashwatch_state.pt."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}",
+                        STATE_FILE)

@@ -166,6 +166,30 @@ def test_a_model_without_attention_trains_unwatched_with_one_warning(tmp_path, c
     assert sum("not watching" in r.message for r in caplog.records) == 1
 
 
+class RaiseAt(TrainerCallback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt  # training stopped from outside
+
+
+def test_train_after_an_interrupted_train_leaves_no_hook_behind(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=2)
+    cb = FlashWatchTrainerCallback(trainer, every_n_steps=1)
+    trainer.add_callback(cb)
+    trainer.add_callback(RaiseAt(1))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert cb.watcher is not None  # on_train_end never ran
+    trainer.pop_callback(RaiseAt)
+    trainer.train()
+    assert cb.watcher is None and cb.state_dict()["step"] == 2
+    attn = trainer.model.model.layers[0].self_attn
+    assert not attn._forward_pre_hooks and not attn._forward_hooks
+
+
 # ----------------------------------------------------------------------------- resume
 
 
