@@ -26,15 +26,17 @@ class WatchConfig:
       seed            seeds the sketch matrices and the row sampling. Default 0.
 
     Kernel
-      eps             tie tolerance in scaled-score units (DESIGN.md §4). Default 1e-3.
-      beta            β of the BETA fix (paper: 2..8). Default 2.0.
+      eps             tie tolerance in scaled-score units (docs/design.md §4). Default 1e-3.
+      beta            β of the BETA fix (paper: 2..8). Default 2.0. eps and beta apply
+                      to every attention call in a watched layer, also to a
+                      flashwatch.attention call that passes its own (logged once).
       backend         attention backend for routed calls: "auto" | "reference" | "triton"
                       | "paper" (see flashwatch.attention). Default "auto".
       route_all       route every watched attention call through flashwatch.attention
                       (exact tie counters on all rows) instead of only layers with a
                       non-STANDARD head. Default False.
 
-    Policy (DESIGN.md §6). A head is flagged when its ties are elevated
+    Policy (docs/design.md §6). A head is flagged when its ties are elevated
     (tied_rowmax_ratio ≥ tie_ratio_threshold) and either its δ error persists in sign
     (delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold) or
     its W^Q spectral norm grew abnormally (relative growth over the window ≥

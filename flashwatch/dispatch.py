@@ -92,7 +92,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       blocks; for research such as docs/REPRODUCTION.md, less accurate on purpose).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
-    stronger of the two per head) and measures the call.
+    stronger of the two per head) and measures the call; beta and eps there are the
+    watcher's WatchConfig values (a different beta or eps passed here is logged once).
     """
     # Dynamo cannot trace ContextVar.get (graph break), so compiled code skips the watcher
     # hook: a torch.compile'd call runs with the head modes it was given.

@@ -1,4 +1,5 @@
-"""Mitigation policy: per head, STANDARD → BETA → FP32_O, never down. Two hazards, two fixes.
+"""Mitigation policy (docs/design.md §6): per head, STANDARD → BETA → FP32_O, never down. Two
+hazards, two fixes.
 
 (a) The δ error is a large share of the W^Q gradient: `share` (delta_error_share) ≥
     delta_share_threshold on delta_share_steps consecutive monitored steps → FP32_O

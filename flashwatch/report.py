@@ -1,6 +1,6 @@
-"""What one monitored step reports: `StepReport`, `HeadRecord`, `Event` (DESIGN.md §3, §5).
+"""What one monitored step reports: `StepReport`, `HeadRecord`, `Event` (docs/design.md §3, §5).
 
-Field names are the metric names of DESIGN.md §5; Prometheus names add `flashwatch_`.
+Field names are the metric names of docs/design.md §5; Prometheus names add `flashwatch_`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-head online signals of the δ error (DESIGN.md §5), for n heads at once.
+"""Per-head online signals of the δ error (docs/design.md §5), for n heads at once.
 
 Each monitored step brings, per head, the k×k sketch G_t = Σ_T c[T] z[T] y[T]ᵀ of the
 W^Q gradient error and the W^Q spectral norm σ. From them:

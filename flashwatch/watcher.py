@@ -1,6 +1,6 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
-One monitored optimizer step, end to end (DESIGN.md §2):
+One monitored optimizer step, end to end (docs/design.md §2):
   forward   a forward pre-hook on each watched attention module marks it current; a
             TorchFunctionMode (pushed only while that module runs, and only when needed)
             catches its F.scaled_dot_product_attention call, and flashwatch.attention
@@ -375,6 +375,9 @@ class Watcher:
         a = dict(zip(names, args, strict=False))  # SDPA takes fewer positionals
         a.update(kwargs)
         q, k, v = a["query"], a["key"], a["value"]
+        if torch.is_autocast_enabled(q.device.type):  # route and probe what SDPA computes
+            dt = torch.get_autocast_dtype(q.device.type)  # with: rotary models hand it
+            q, k, v = (t.to(dt) for t in (q, k, v))  # FP32 q, k and a BF16 v
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
         route = self.config.route_all or bool(st.modes.any())
@@ -411,9 +414,16 @@ class Watcher:
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats)
+            # One β and eps per watched layer, the WatchConfig's: the heads the policy
+            # switches and the ties it counts must use the values it was configured with.
+            if (beta, eps) != (self.config.beta, self.config.eps):
+                self._warn_once(st, "beta", f"flashwatch: {st.site.name} calls "
+                                f"flashwatch.attention with beta={beta}, eps={eps}; inside a "
+                                f"watched layer the WatchConfig's beta={self.config.beta}, "
+                                f"eps={self.config.eps} apply (pass them to flashwatch.watch)")
             try:
                 out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                                   beta=beta, eps=eps, backend=backend)
+                                   backend=backend)
             except Exception as e:  # a failure of ours: run the call as it was made
                 self._error(f"routing {st.site.name}", e)
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,

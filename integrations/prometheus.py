@@ -1,4 +1,4 @@
-"""`PrometheusSink`: serve the latest StepReport to Prometheus (DESIGN.md §7).
+"""`PrometheusSink`: serve the latest StepReport to Prometheus (docs/design.md §7).
 
     from flashwatch.integrations.prometheus import PrometheusSink
     watcher = flashwatch.watch(model, sinks=[PrometheusSink(port=9745)])

@@ -1,6 +1,6 @@
 """Reference attention in pure PyTorch: the CPU backend and the oracle for every test.
 
-Semantics (DESIGN.md §4), `arithmetic="fused"` (what a FlashAttention-2 kernel does):
+Semantics (docs/design.md §4), `arithmetic="fused"` (what a FlashAttention-2 kernel does):
   S = scale·QKᵀ in FP32, keys in blocks of BLOCK_N, online row max and row sum in FP32,
   P̄ = exp(S - shift) cast to the input dtype before P̄V, FP32 accumulator, O = acc/l
   stored in the input dtype, LSE saved. Backward recomputes P from LSE and uses

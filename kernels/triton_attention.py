@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Triton with per-head modes and inline counters (DESIGN.md §4).
+"""FlashAttention-2 in Triton with per-head modes and inline counters (docs/design.md §4).
 
 Layout of this file, in the order of the Triton fused-attention tutorial:
   1. small @triton.jit helpers (dtype rounding for the interpreter, dots, BETA shift, ties)

@@ -25,6 +25,7 @@ from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
 from flashwatch import dispatch as fw_dispatch
 from flashwatch.integrations.lightning import FlashWatchCallback
+from flashwatch.integrations.prometheus import PrometheusSink
 from standins import TiedAttention, leaning_dispatch
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
@@ -162,6 +163,20 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
     logged = [r for r in rows if r.get("flashwatch/monitor_step", "") != ""]
     assert [float(r["flashwatch/monitor_step"]) for r in logged] == [0, 1, 2, 3]
     assert all(r["loss"] != "" for r in logged)
+
+
+def test_a_sink_the_user_passed_stays_open_and_serves_a_second_fit(tmp_path):
+    sink = PrometheusSink(port=0)  # the user's: the callback never closes it
+    cb = FlashWatchCallback(every_n_steps=1, sinks=[sink])
+    try:
+        steps = 0
+        for n in (2, 3):  # the watcher's state carries over to the second fit()
+            _trainer(tmp_path, [cb], max_steps=n).fit(LitGPT(), _data(n))
+            steps += n
+            body = urllib.request.urlopen(sink.url, timeout=5).read().decode()
+            assert f"flashwatch_monitor_step {steps - 1}.0" in body
+    finally:
+        sink.close()
 
 
 def test_unwatchable_module_warns_once_and_trains(tmp_path):

@@ -56,7 +56,7 @@ def _one_hot_queries(scores: torch.Tensor, dtype, d=16):
 
 
 # ---------------------------------------------------------------------------------------
-# Accuracy: DESIGN.md §8 rule for O, dq, dk, dv.
+# Accuracy: docs/design.md §8 rule for O, dq, dk, dv.
 
 
 @pytest.mark.parametrize("data", ["randn", "ties"])
@@ -382,7 +382,7 @@ def test_paper_beta_reduces_the_lean_when_the_row_max_is_positive():
 
 
 def test_fused_tied_rows_lean_less_and_beta_is_unbiased_when_r_m_varies():
-    # DESIGN.md §1: in a fused FP32-accumulator kernel the lean is smaller (measured +0.18,
+    # docs/design.md §1: in a fused FP32-accumulator kernel the lean is smaller (measured +0.18,
     # other sign). BETA there dithers through bf16(P̄)/P̄ at the max (l sums the FP32 P̄),
     # which averages out only when r_m varies from row to row (measured +0.004).
     n = 4096

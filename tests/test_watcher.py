@@ -51,6 +51,22 @@ def _comparable(report):
     return d
 
 
+class SmallAttention(nn.Module):
+    """A nanoGPT-style layer (C = 32, 2 heads) whose attention is `attend(q, k, v, **kw)`."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.c_attn = nn.Linear(32, 96)
+        self.n_head = 2
+        self.attend = attend
+
+    def forward(self, x, **kw):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        return self.attend(q, k, v, **kw)
+
+
 # ---------------------------------------------------------------------------- basics
 
 
@@ -273,7 +289,7 @@ def _biased_kernel(monkeypatch, bias=1e-2):
 
 def _drive(model, w, steps, seed=0, vary=False):
     # Fixed input, loss = sum: dO keeps its sign, so c[T] keeps its sign: the planted
-    # persistent error of DESIGN.md §1 step 3. vary=True draws a new input every step.
+    # persistent error of docs/design.md §1 step 3. vary=True draws a new input every step.
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 16, 32, generator=g).bfloat16()
     model = model.bfloat16()
@@ -344,20 +360,11 @@ def test_a_hand_set_mode_restarts_that_heads_verification(monkeypatch):
 
 
 def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
-    class MaskedAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_attn = nn.Linear(32, 96)
-            self.n_head = 2
+    def masked(q, k, v):
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
 
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
-            mask = torch.ones(T, T, dtype=torch.bool).tril()
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
-
-    model = nn.Sequential(MaskedAttention())
+    model = nn.Sequential(SmallAttention(masked))
     w = fw.watch(model, every_n_steps=1)
     w.set_head_modes("0", [Mode.BETA, Mode.STANDARD])
     x = torch.randn(2, 8, 32)
@@ -369,6 +376,53 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
     assert len(warnings) == 1 and "attn_mask" in warnings[0].message
     assert r.unmitigable == {"0": "it passes attn_mask"}
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
+    def rotaryish(q, k, v):  # like HF Llama under autocast: FP32 q, k (rotary), BF16 v
+        return F.scaled_dot_product_attention(q.float(), k.float(), v, is_causal=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SmallAttention(rotaryish))
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("0", [Mode.BETA, Mode.FP32_O])
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        q, k, v = (t.view(2, 8, 2, -1).transpose(1, 2) for t in model[0].c_attn(x).split(32, 2))
+    want = fw.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                        head_modes=[Mode.BETA, Mode.FP32_O])
+    out.float().sum().backward()
+    r = w.step()
+    assert w.monitor_errors_total == 0 and r.unmitigable == {}
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
+        monkeypatch, caplog):
+    def calls_with_beta(q, k, v, beta):  # a model that passes its own β and eps
+        return fw.attention(q, k, v, causal=True, head_modes=[Mode.BETA] * 2, beta=beta,
+                            eps=1e-2)
+
+    seen = []
+    real = fw_dispatch._dispatch
+    monkeypatch.setattr(fw_dispatch, "_dispatch", lambda *a, **kw: (
+        seen.append((kw["beta"], kw["eps"])), real(*a, **kw))[1])
+    model = nn.Sequential(SmallAttention(calls_with_beta))
+    x = torch.randn(2, 8, 32)
+    model[0](x, beta=8.0)
+    assert seen == [(8.0, 1e-2)]  # unwatched: the caller's values
+    w = fw.watch(model, every_n_steps=1, beta=3.0, eps=2e-3)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            model[0](x, beta=8.0)
+    assert seen[1:] == [(3.0, 2e-3)] * 2
+    warnings = [r.message for r in caplog.records if "beta=8.0" in r.message]
+    assert len(warnings) == 1 and "beta=3.0" in warnings[0]
+    w.remove()
+    model[0](x, beta=8.0)
+    assert seen[-1] == (8.0, 1e-2)
 
 
 # ------------------------------------------------------------------- resume, ranks
