@@ -116,7 +116,7 @@ def _finalize(acc, l, shift):
 
 
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                   block_n=BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
+                   block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False) -> ForwardResult:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -125,6 +125,8 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
     track = want_ties or any_beta
     guard = GUARD_NATS[dt]
     fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+    if keep_o32:  # every head's FP32 O (the watcher's residual for c[T] on every row)
+        fp32_idx = list(range(H))
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
@@ -264,12 +266,13 @@ def _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
-            want_ties=True, debug=False, block_n=None) -> ForwardResult:
-    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
+            want_ties=True, debug=False, block_n=None, keep_o32=False) -> ForwardResult:
+    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
+    keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'."""
     with no_autocast(q.device):
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                                  block_n=block_n or BLOCK_N)
+                                  block_n=block_n or BLOCK_N, keep_o32=keep_o32)
         return _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                               block_n=block_n or PAPER_BLOCK_N)
 
