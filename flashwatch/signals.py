@@ -22,8 +22,10 @@ W^Q gradient error and the W^Q spectral norm σ. From them:
                            per-row signal-to-noise r over M rows per step. Rows of one
                            sequence share dO and keys, so it is not a calibrated alarm:
                            reported, not used by the policy.
-  delta_error_share_mean   window mean of the per-step share estimate, and its spread
-  delta_error_share_std    (standard deviation over the window's steps).
+  delta_error_share_mean   sqrt of the window mean of share² (the square is what the
+                           estimator gets right on average: a single sampled step is
+                           skewed low), and the spread of the per-step shares
+  delta_error_share_std    (their standard deviation over the window's steps).
 
 Memory is fixed: C [n, k, k], Σκ [n], ring buffers of the last `window` steps (κ, G,
 ‖G‖_F, σ) and the window sum of G, whatever the number of steps. The κ and ‖G‖_F window
@@ -65,7 +67,7 @@ class SignalValues:
     spectral_growth: torch.Tensor  # σ_now / σ_oldest − 1; NaN if unknown, < 1 step or σ_oldest ≤ 0
     window_fill: torch.Tensor  # int64: steps in each head's window (0..window)
     delta_sign_z: torch.Tensor  # Σ_W Σc / sqrt(Σ_W Σc²); 0 when Σ_W Σc² = 0
-    delta_error_share_mean: torch.Tensor  # mean over the window's steps that had one
+    delta_error_share_mean: torch.Tensor  # sqrt(mean share²) over the window's steps
     delta_error_share_std: torch.Tensor  # their standard deviation (NaN below 2 steps)
 
 
@@ -206,8 +208,8 @@ class HeadSignals:
         c1, c2 = self.csum_ring.sum(dim=1), self.csq_ring.sum(dim=1)
         sign_z = torch.where(c2 > 0, c1 / c2.clamp_min(1e-300).sqrt(), torch.zeros_like(c1))
         share_n = torch.isfinite(self.share_ring).sum(dim=1)
-        share_mean = self.share_ring.nanmean(dim=1)
-        share_dev = self.share_ring - share_mean[:, None]
+        share_rms = self.share_ring.square().nanmean(dim=1).sqrt()
+        share_dev = self.share_ring - self.share_ring.nanmean(dim=1, keepdim=True)
         share_var = share_dev.square().nansum(dim=1) / (share_n - 1).clamp_min(1)
         share_std = torch.where(share_n >= 2, share_var.sqrt(), torch.full_like(share_var,
                                                                                 float("nan")))
@@ -219,7 +221,7 @@ class HeadSignals:
             spectral_growth=growth,
             window_fill=self.fill.clone(),
             delta_sign_z=sign_z,
-            delta_error_share_mean=share_mean,
+            delta_error_share_mean=share_rms,
             delta_error_share_std=share_std,
         )
 
