@@ -27,31 +27,15 @@ import torch
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
-from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
+from reproduction.fp32_delta import RouteSDPA
+from reproduction.grad_error import wq_grad_pair
 from reproduction.run import get_batch, make_data
 
 
-def exact_share(model, x, y, C, H):
-    D = C // H
-    layers = [blk.attn for blk in model.transformer.h]
-
-    def wq_grads():
-        return torch.stack([a.c_attn.weight.grad[:C].view(H, D, C).double().clone()
-                            for a in layers])
-
-    model.zero_grad(set_to_none=True)
-    with RouteSDPA(), torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss = model(x, y)
-    Fp32DeltaAttention.fp32_delta = False
-    loss.backward(retain_graph=True)
-    g_lp = wq_grads()
-    model.zero_grad(set_to_none=True)
-    Fp32DeltaAttention.fp32_delta = True
-    loss.backward()
-    Fp32DeltaAttention.fp32_delta = False
-    err = wq_grads() - g_lp
-    model.zero_grad(set_to_none=True)
-    return err.flatten(2).square().sum(-1), g_lp.flatten(2).square().sum(-1)  # [L, H]
+def exact_share(model, x, y):
+    """‖dW^Q(FP32 δ) - dW^Q(BF16 δ)‖² and ‖dW^Q(BF16 δ)‖² per layer and head [L, H]."""
+    g_lp, g_hp = wq_grad_pair(model, x, y)
+    return (g_hp - g_lp).flatten(2).square().sum(-1), g_lp.flatten(2).square().sum(-1)
 
 
 def estimated_share(model, x, y, rows):
@@ -84,7 +68,7 @@ def main(argv=None) -> int:
     cfg = GPTConfig(block_size=s["block"], vocab_size=s["vocab"], n_layer=s["n_layer"],
                     n_head=s["n_head"], n_embd=s["n_embd"],
                     position_embedding=s["position_embedding"])
-    C, H = cfg.n_embd, cfg.n_head
+    H = cfg.n_head
     out = []
     for weights in a.weights:
         model = GPT(cfg)
@@ -94,7 +78,7 @@ def main(argv=None) -> int:
         est = {64: 0.0, "all": 0.0}
         for _ in range(a.batches):
             x, y = get_batch(data, s, gen)
-            err2, grad2 = exact_share(model, x, y, C, H)
+            err2, grad2 = exact_share(model, x, y)
             e2, g2 = e2 + err2 / grad2, g2 + 1
             for rows in est:
                 est[rows] = est[rows] + estimated_share(model, x, y, rows).square()
