@@ -633,3 +633,29 @@ def test_sampled_share_squared_is_unbiased_over_row_samples():
                                     dtype=torch.float64))
     mean_sq = torch.stack(samples).square().mean(0) / full.square()
     assert ((mean_sq > 0.55) & (mean_sq < 1.45)).all(), mean_sq
+
+
+def test_guarded_rows_reach_the_report_exactly():
+    # All keys equal (tie=True), q scaled so the row max r_m spreads over ±150: BETA's
+    # excess, (β-1)·r_m = r_m above 0 and -r_m below, passes the 60-nat guard in the
+    # rows with |r_m| > 60.
+    torch.manual_seed(13)
+    model = TiedAttention(C=32, H=2, tie=True)
+    with torch.no_grad():
+        model.c_attn.weight[:32] *= 300.0
+    model = model.bfloat16()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(13)).bfloat16()
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes(w.sites[0].name, [Mode.BETA, Mode.STANDARD])
+    model(x).float().sum().backward()
+    report = w.step()
+    w.remove()
+    with torch.no_grad():
+        q, k, _ = (t.view(2, 16, 2, -1).transpose(1, 2) for t in model.c_attn(x).split(32, 2))
+        s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+        s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf)
+        m = s.amax(-1)
+        tied = ((s >= (m - 1e-3).unsqueeze(-1)).sum(-1) >= 2)
+        want = (tied & (m.abs() > 60.0)).sum((0, 2))
+    assert 0 < want[0] < tied[:, 0].sum()
+    assert [h.guarded_rows for h in report.heads] == [int(want[0]), 0]
