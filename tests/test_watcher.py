@@ -659,3 +659,33 @@ def test_guarded_rows_reach_the_report_exactly():
         want = (tied & (m.abs() > 60.0)).sum((0, 2))
     assert 0 < want[0] < tied[:, 0].sum()
     assert [h.guarded_rows for h in report.heads] == [int(want[0]), 0]
+
+
+def test_share_uses_the_whole_accumulated_gradient_even_after_zero_grad():
+    # Two micro-batches, zero_grad() before watcher.step(): the hook kept ‖g_a + g_b‖²,
+    # and ‖E‖² estimates add, so share² = (s_a² ‖g_a‖² + s_b² ‖g_b‖²) / ‖g_a + g_b‖².
+    torch.manual_seed(14)
+    C, H, B, T = 64, 2, 2, 16
+    model = _QKV(C, H).bfloat16()
+    g = torch.Generator().manual_seed(14)
+    xs = [torch.randn(B, T, C, generator=g).bfloat16() for _ in range(2)]
+    ws = [torch.randn(B, T, C, generator=g) for _ in range(2)]
+    site = {"": dict(num_heads=H, q_module="q_proj")}
+
+    def run(pairs):
+        w = fw.watch(model, sites=site, every_n_steps=1, rows_per_head="all")
+        for x, wgt in pairs:
+            (model(x).float() * wgt).sum().backward()
+        grad = model.q_proj.weight.grad.double().view(H, C // H, C).square().sum((1, 2))
+        model.zero_grad(set_to_none=True)
+        share = torch.tensor([h.delta_error_share for h in w.step().heads],
+                             dtype=torch.float64)
+        w.remove()
+        return share, grad
+
+    pairs = list(zip(xs, ws, strict=True))
+    s_ab, g_ab = run(pairs)
+    (s_a, g_a), (s_b, g_b) = run(pairs[:1]), run(pairs[1:])
+    want = ((s_a ** 2 * g_a + s_b ** 2 * g_b) / g_ab).sqrt()
+    assert torch.allclose(s_ab, want, rtol=1e-6), (s_ab, want)
+    assert not torch.allclose(g_ab, g_a + g_b, rtol=1e-2)  # the cross term matters
