@@ -521,12 +521,12 @@ class Watcher:
                 # δ of these heads came from the kernel's FP32 O; its residual error is at
                 # FP32 rounding, far below what the probe resolves: count it as 0.
                 o_used[:, fp32_heads] = o32[:, fp32_heads]
-            resid = None  # [B, H, Nq, D] O_used - O_fp32 on every row, if we have it
+            every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads) on every row
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
-                # FP32_O fix hands δ, so c measures the rounding that fix removes.
-                resid = out.float() - o32_all.permute(1, 0, 2, 3)
-                resid[:, fp32_heads] = 0.0
+                # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
+                # are saved for the backward anyway: holding them costs no memory.
+                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads)
             # Share of the W^Q gradient (DESIGN.md §5): e_T = α c[T] PK[T] X[T]ᵀ is rank 1,
             # ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
             share_w = None
@@ -545,10 +545,10 @@ class Watcher:
                 z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
             y = pk @ st.omega_a.to(q.device)  # [R, H, k]
         if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y, resid,
+            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y, every_row,
                                                     share_w, B * Nq))
 
-    def _grad_hook(self, st, b, t, o_used, o32, z, y, resid, share_w, n_rows):
+    def _grad_hook(self, st, b, t, o_used, o32, z, y, every_row, share_w, n_rows):
         def hook(grad):
             if self._removed:
                 return None
@@ -561,8 +561,11 @@ class Watcher:
                     if share_w is not None:
                         st.share_num += (share_w * c.square()).sum(0).cpu()
                         st.share_rows += len(b)
-                    if resid is not None:  # every row: c = rowsum(dO ∘ (O_used - O_fp32))
-                        c = (grad.double() * resid.double()).sum(-1)  # [B, H, Nq]
+                    if every_row is not None:  # c = rowsum(dO ∘ (O_used - O_fp32))
+                        o_all, o32_all, fp32_heads = every_row
+                        c = (grad.float() * (o_all.float() - o32_all)).sum(
+                            -1, dtype=torch.float64)  # [B, H, Nq]
+                        c[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
                         c = c.transpose(0, 1).reshape(c.shape[1], -1).T  # [B·Nq, H]
                     st.delta_sum += c.sum(0).cpu()
                     st.delta_sq += c.square().sum(0).cpu()
