@@ -66,9 +66,11 @@ class SignalValues:
     delta_coherence: torch.Tensor  # ‖Σ_W G‖_F / Σ_W ‖G‖_F; 0 when Σ_W ‖G‖_F = 0
     spectral_growth: torch.Tensor  # σ_now / σ_oldest − 1; NaN if unknown, < 1 step or σ_oldest ≤ 0
     window_fill: torch.Tensor  # int64: steps in each head's window (0..window)
-    delta_sign_z: torch.Tensor  # Σ_W Σc / sqrt(Σ_W Σc²); 0 when Σ_W Σc² = 0
-    delta_error_share_mean: torch.Tensor  # sqrt(mean share²) over the window's steps
-    delta_error_share_std: torch.Tensor  # their standard deviation (NaN below 2 steps)
+    # Reported only (the policy does not read them), so optional for callers that build
+    # SignalValues by hand:
+    delta_sign_z: torch.Tensor | None = None  # Σ_W Σc / sqrt(Σ_W Σc²); 0 when Σ_W Σc² = 0
+    delta_error_share_mean: torch.Tensor | None = None  # sqrt(mean share²) over the window
+    delta_error_share_std: torch.Tensor | None = None  # std of the shares (NaN below 2)
 
 
 class _StartVectors(dict):
