@@ -61,8 +61,9 @@ HEAD_GAUGES = (
     ("tied_rowmax_ratio", "Fraction of attention rows whose max score is tied within eps "
                           "(all rows when flashwatch's kernel runs, sampled rows otherwise)."),
     ("attention_max_logit", "Largest scaled attention score (softmax scale applied)."),
-    ("delta_error_sum", "Sum over sampled rows of the backward delta error c[T] = "
-                        "rowsum(dO*O_used) - rowsum(dO*O_fp32), latest monitored step."),
+    ("delta_error_sum", "Sum over the rows (every row when flashwatch's kernel ran, else "
+                        "sampled rows) of the backward delta error c[T] = rowsum(dO*O_used) "
+                        "- rowsum(dO*O_fp32), latest monitored step."),
     ("delta_error_share", "Estimated share of the head's W^Q gradient that is delta rounding "
                           "error, ||E||_F / ||dW^Q||_F (Eq. 3, this layer's term), latest "
                           "monitored step; healthy << 0.05."),

@@ -144,7 +144,8 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     [_target(f"topk({TOPK}, abs(flashwatch_r_projection_cumulative{{{SEL}}}))",
                              "{{layer}} h{{head}}")]),
         _timeseries(f"δ error sum, worst {TOPK} heads",
-                    "Sum over sampled rows of the δ error c[T] on the latest monitored step "
+                    "Sum of the δ error c[T] over every row (flashwatch's kernel) or the "
+                    "sampled rows (another kernel) on the latest monitored step "
                     "(the paper's coefficient sum); its sign staying the same step after "
                     "step is what drives the drift.",
                     [_target(f"topk({TOPK}, abs(flashwatch_delta_error_sum{{{SEL}}}))",
