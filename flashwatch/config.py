@@ -19,7 +19,11 @@ class WatchConfig:
                       beyond the attention call itself). Default 10.
       rows_per_head   query rows sampled per layer and monitored step for the δ probe;
                       each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
-                      tiny next to the layer's N²·D·H. Default 64.
+                      tiny next to the layer's N²·D·H. Default 64. "all": recompute
+                      every row of a foreign kernel's call (e.g. SDPA) in FP32, so Σc
+                      and Σc² cover all rows (cost ≈ one FP32 attention forward per
+                      watched call; benchmarks/RESULTS.md). flashwatch's own kernels
+                      give c on every row either way, from their FP32 O.
       sketch_dim      k of the k×k sketch G_t of the W^Q gradient error. Default 8.
       window          monitored steps in the sliding window of drift z and coherence.
                       Default 64.
@@ -98,7 +102,7 @@ class WatchConfig:
     """
 
     every_n_steps: int = 10
-    rows_per_head: int = 64
+    rows_per_head: int | str = 64
     sketch_dim: int = 8
     window: int = 64
     seed: int = 0
@@ -124,8 +128,13 @@ class WatchConfig:
     qk_clip_alpha: float = 0.5
 
     def __post_init__(self) -> None:
-        positive_ints = ("every_n_steps", "rows_per_head", "sketch_dim", "window", "patience",
+        positive_ints = ("every_n_steps", "sketch_dim", "window", "patience",
                          "verify_steps", "power_iters")
+        if self.rows_per_head != "all":
+            if isinstance(self.rows_per_head, str):
+                raise ValueError(f"rows_per_head must be a positive int or \"all\", got "
+                                 f"{self.rows_per_head!r}")
+            _check_int("rows_per_head", self.rows_per_head, minimum=1)
         for name in positive_ints:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("min_history", self.min_history, minimum=0)

@@ -105,7 +105,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                      eps=eps, stats=stats, backend=backend)
 
 
-def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
+def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
+              o32_out: list | None = None):
+    """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,
+    [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
@@ -117,7 +120,10 @@ def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
                                     head_modes=head_modes, beta=beta, eps=eps, stats=stats)
     backend = _resolve_backend(backend, q)
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
-        q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend)
+        q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
+        o32_out is not None)
+    if o32_out is not None:
+        o32_out.append(_o32)
     if stats is not None:
         stats.add_(tied, q.shape[0] * q.shape[2], guarded, max_logit.detach())
     return o

@@ -14,12 +14,14 @@ from flashwatch.kernels.common import Mode
 HEAD_METRICS = (
     "tied_rowmax_ratio",  # tied rows / rows (all rows when routed, sampled rows otherwise)
     "attention_max_logit",  # largest scaled score
-    "delta_error_sum",  # Σ_T c[T] over the sampled rows of this step
+    "delta_error_sum",  # Σ_T c[T] over this step's rows (all, or sampled: see below)
+    "delta_error_share",  # estimated ‖E‖_F / ‖dW^Q_h‖_F of this step (Eq. 3's own term)
     "r_projection",  # κ_t = uᵀ G_t v, (u, v) from the running sum of past G
     "r_projection_cumulative",  # Σ κ
     "delta_drift_z",  # Σκ / sqrt(Σκ²) over the window
     "delta_coherence",  # ‖Σ_W G‖_F / Σ_W ‖G‖_F
     "wq_spectral_norm",  # largest singular value of W^Q_h
+    "guarded_rows",  # BETA rows whose shift hit the underflow guard, this step
 )
 
 
@@ -35,6 +37,19 @@ class HeadRecord:
     delta_drift_z: float = math.nan
     delta_coherence: float = math.nan
     wq_spectral_norm: float = math.nan
+    # δ error on every row (docs/design.md §5): delta_error_sum and delta_sign_z use c[T] of
+    # delta_error_rows rows; delta_error_all_rows says whether those were all the rows of
+    # every call (flashwatch's kernel, or rows_per_head="all") or a sample.
+    delta_error_rows: float = 0.0
+    delta_error_all_rows: bool = False
+    delta_sign_z: float = math.nan  # Σ_W Σc / sqrt(Σ_W Σc²) over the window
+    # Estimated ‖E‖_F / ‖dW^Q_h‖_F, E = α Σ_T c[T] PK[T] X[T]ᵀ (Eq. 3, this layer's own
+    # term), from Σ_T ‖e_T‖² (scaled by rows / sampled rows): unbiased for E[‖E‖²] when
+    # row errors add incoherently, low when they line up. Healthy ≪ 0.05.
+    delta_error_share: float = math.nan
+    delta_error_share_mean: float = math.nan  # sqrt(mean of share²) over the window
+    delta_error_share_std: float = math.nan  # spread of the per-step values in the window
+    guarded_rows: int = 0  # BETA rows whose shift hit the underflow guard, this step
     head_mode: Mode = Mode.STANDARD
     recommended_mode: Mode = Mode.STANDARD
     flagged: bool = False

@@ -68,6 +68,7 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/<layer>/delta_drift_z_max
       flashwatch/<layer>/delta_coherence_max
       flashwatch/<layer>/wq_spectral_norm_max
+      flashwatch/<layer>/delta_error_share_max
       flashwatch/<layer>/heads_not_standard
       flashwatch/<layer>/heads_flagged         heads the policy flags this step
       flashwatch/worst_<i>/<metric>            i = 1..top_k, heads by delta_drift_z
@@ -76,13 +77,13 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/worst_<i>/head                watch order, head index
       flashwatch/<layer>/head_<h>/<metric>     only with log_per_head=True: every metric
       flashwatch/<layer>/head_<h>/head_mode    of HEAD_KEYS and the mode (0, 1, 2)
-    With L watched layers that is 5 + 7·L + 9·top_k keys, per-head adds 8 per head.
+    With L watched layers that is 6 + 8·L + 9·top_k keys, per-head adds 8 per head.
     """
 
     def __init__(
         self, *,
         every_n_steps: int = 10,
-        rows_per_head: int = 64,
+        rows_per_head: int | str = 64,
         sketch_dim: int = 8,
         window: int = 64,
         seed: int = 0,

@@ -61,8 +61,12 @@ HEAD_GAUGES = (
     ("tied_rowmax_ratio", "Fraction of attention rows whose max score is tied within eps "
                           "(all rows when flashwatch's kernel runs, sampled rows otherwise)."),
     ("attention_max_logit", "Largest scaled attention score (softmax scale applied)."),
-    ("delta_error_sum", "Sum over sampled rows of the backward delta error c[T] = "
-                        "rowsum(dO*O_used) - rowsum(dO*O_fp32), latest monitored step."),
+    ("delta_error_sum", "Sum over the rows (every row when flashwatch's kernel ran, else "
+                        "sampled rows) of the backward delta error c[T] = rowsum(dO*O_used) "
+                        "- rowsum(dO*O_fp32), latest monitored step."),
+    ("delta_error_share", "Estimated share of the head's W^Q gradient that is delta rounding "
+                          "error, ||E||_F / ||dW^Q||_F (Eq. 3, this layer's term), latest "
+                          "monitored step; healthy << 0.05."),
     ("delta_drift_z", "Drift z of the delta error projected on its running direction, over "
                       "the window: about N(0,1) when zero-mean, grows with persistence."),
     ("delta_coherence", "Coherence of the W^Q gradient-error sketches over the window, "
@@ -75,6 +79,7 @@ METRIC_NAMES = (
     *(f"flashwatch_{field}" for field, _ in HEAD_GAUGES),
     "flashwatch_head_mode",
     "flashwatch_mitigations_total",
+    "flashwatch_guarded_rows_total",
     "flashwatch_monitor_step",
     "flashwatch_monitor_seconds",
     "flashwatch_monitor_errors_total",
@@ -122,6 +127,7 @@ class PrometheusSink:
         self._snapshot: _Snapshot | None = None
         self._mitigations: Counter = Counter()  # (layer, head, mode) -> applied events
         self._clips: Counter = Counter()  # (layer, head) -> applied QK-clips
+        self._guarded: Counter = Counter()  # (layer, head) -> BETA rows that hit the guard
         self._page: tuple | None = None  # (snapshot, page text, gzipped page text)
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
@@ -138,6 +144,8 @@ class PrometheusSink:
         """Swap in a snapshot of `report` (called from the training thread)."""
         heads = tuple((h.layer, str(h.head), tuple(float(getattr(h, f)) for f, _ in HEAD_GAUGES),
                        int(h.head_mode)) for h in report.heads)
+        for h in report.heads:  # a counter from 0 per head, like the mitigations
+            self._guarded[(h.layer, str(h.head))] += int(h.guarded_rows)
         for e in report.events:
             if e.applied and e.kind == "qk_clip":
                 self._clips[(e.layer, str(e.head))] += 1
@@ -152,7 +160,8 @@ class PrometheusSink:
         snap = _Snapshot(step=int(report.step), seconds=float(report.monitor_seconds),
                          errors=int(report.monitor_errors_total), heads=heads,
                          mitigations=tuple(sorted(self._mitigations.items())),
-                         clips=tuple(sorted(self._clips.items())))
+                         clips=tuple(sorted(self._clips.items())),
+                         guarded=tuple(sorted(self._guarded.items())))
         with self._lock:
             self._snapshot = snap
 
@@ -240,6 +249,10 @@ class PrometheusSink:
             "flashwatch_mitigations", "Mode switches applied (by the policy or by hand), by the "
             "mode switched to (counted by this exporter since it started).",
             labels=["layer", "head", "mode"])
+        guarded = CounterMetricFamily(
+            "flashwatch_guarded_rows", "BETA rows whose shift hit the underflow guard (logits "
+            "in the thousands), summed over monitored steps (counted by this exporter since "
+            "it started).", labels=["layer", "head"])
         step = GaugeMetricFamily("flashwatch_monitor_step",
                                  "Optimizer step of the latest monitored step.")
         secs = GaugeMetricFamily("flashwatch_monitor_seconds",
@@ -259,13 +272,15 @@ class PrometheusSink:
                 mode.add_metric([layer, head], m)
             for (layer, head, to_mode), n in snap.mitigations:
                 mitig.add_metric([layer, head, to_mode], n)
+            for (layer, head), n in snap.guarded:
+                guarded.add_metric([layer, head], n)
             step.add_metric([], snap.step)
             secs.add_metric([], snap.seconds)
             errors.add_metric([], snap.errors)
             for (layer, head), n in snap.clips:
                 clips.add_metric([layer, head], n)
         yield from gauges
-        yield from (mode, mitig, step, secs, errors, clips)
+        yield from (mode, mitig, guarded, step, secs, errors, clips)
 
 
 class _Snapshot(NamedTuple):
@@ -276,6 +291,7 @@ class _Snapshot(NamedTuple):
     errors: int
     heads: tuple  # ((layer, head as str, (gauge values in HEAD_GAUGES order), mode), ...)
     mitigations: tuple  # (((layer, head, mode), count), ...)
+    guarded: tuple  # (((layer, head), guarded rows so far), ...)
     clips: tuple = ()  # (((layer, head), applied QK-clips), ...)
 
 

@@ -11,7 +11,7 @@ from flashwatch.report import StepReport
 
 # Per-layer summaries: (report field, reduction over the layer's heads) -> "<field>_max".
 LAYER_MAX = ("tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
-             "wq_spectral_norm")
+             "wq_spectral_norm", "delta_error_share")
 # Per worst head and per head (opt-in): these fields, under their own names.
 HEAD_KEYS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
              "r_projection_cumulative", "delta_drift_z", "delta_coherence", "wq_spectral_norm")

@@ -69,7 +69,7 @@ SUM_FLOOR = 1e-10  # their floor on each block's row sum (before it enters l)
 class PaperForward(NamedTuple):
     o: torch.Tensor  # [B, H, Nq, D] input dtype
     lse: torch.Tensor  # [B, H, Nq] input dtype: log(l) + m as the forward rounds it
-    o32: torch.Tensor | None  # [B, H32, Nq, D] fp32 for the FP32_O heads, else None
+    o32: torch.Tensor | None  # [B, H32, Nq, D] fp32: the FP32_O heads (every head with keep_o32)
     tied_rows: torch.Tensor  # [H] int64, row-wide definition
     max_logit: torch.Tensor  # [H] fp32
     rows: int  # rows per head: B·Nq
@@ -89,20 +89,22 @@ def _fp32_heads(modes: torch.Tensor) -> list[int]:
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, want_ties=True,
-            debug=False) -> PaperForward:
-    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
+            debug=False, keep_o32=False) -> PaperForward:
+    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
+    keep_o32: o32 holds every head's FP32 O (the same P̄ and α accumulated in FP32, as for
+    FP32_O heads), for the δ error on every row; O, LSE and the counters are unchanged."""
     with no_autocast(q.device):
-        return _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug)
+        return _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32)
 
 
-def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug):
+def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
     masked = -torch.finfo(dt).max  # what their forward writes into hidden scores
     beta_h = (modes == int(Mode.BETA)).to(dev).view(1, H, 1, 1)
     any_beta = bool(beta_h.any())
-    f32 = _fp32_heads(modes)
+    f32 = list(range(H)) if keep_o32 else _fp32_heads(modes)
 
     o = torch.empty(B, H, Nq, D, dtype=dt, device=dev)
     lse = torch.empty(B, H, Nq, dtype=dt, device=dev)

@@ -113,7 +113,7 @@ def _finalize(acc, l, shift):
 
 
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                   block_n=BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
+                   block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False) -> ForwardResult:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -122,6 +122,8 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
     track = want_ties or any_beta
     guard = GUARD_NATS[dt]
     fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+    if keep_o32:  # every head's FP32 O (the watcher's residual for c[T] on every row)
+        fp32_idx = list(range(H))
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
@@ -187,16 +189,17 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
-            want_ties=True, debug=False, block_n=None) -> ForwardResult:
-    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
+            want_ties=True, debug=False, block_n=None, keep_o32=False) -> ForwardResult:
+    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
+    keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'."""
     with no_autocast(q.device):
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                                  block_n=block_n or BLOCK_N)
+                                  block_n=block_n or BLOCK_N, keep_o32=keep_o32)
     from . import paper  # the paper's arithmetic lives in its own module
 
     res = paper.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
-                        want_ties=want_ties, debug=debug)
+                        want_ties=want_ties, debug=debug, keep_o32=keep_o32)
     H = q.shape[1]
     return ForwardResult(res.o, res.lse.float(), res.o32, res.tied_rows,
                          torch.zeros(H, dtype=torch.int64, device=q.device), res.max_logit,

@@ -369,6 +369,8 @@ def _api(web: str, path: str, **params):
     try:
         body = json.load(urllib.request.urlopen(url, timeout=5))
     except urllib.error.HTTPError as e:  # 400/422: a bad query -- fail, don't retry
+        if e.code == 503:  # still starting (seen on a loaded machine): an OSError, retried
+            raise
         raise _PromqlError(f"{params}: {e.read().decode()[:500]}") from None
     return body["data"]
 

@@ -135,7 +135,7 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
     for layer in LAYERS:
         want |= {f"flashwatch/{layer}/{m}_max" for m in (
             "tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
-            "wq_spectral_norm")}
+            "wq_spectral_norm", "delta_error_share")}
         want |= {f"flashwatch/{layer}/heads_not_standard", f"flashwatch/{layer}/heads_flagged"}
         for h in range(4):
             want |= {f"flashwatch/{layer}/head_{h}/{m}" for m in (
@@ -148,8 +148,8 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
             "r_projection_cumulative", "delta_drift_z", "delta_coherence",
             "wq_spectral_norm", "layer_index", "head")}
     assert keys == want
-    # the docstring's count: 5 + 7·L + 9·top_k, + 8 per head
-    assert len(want) == 6 + 7 * 2 + 9 * 3 + 8 * 8
+    # the docstring's count: 6 + 8·L + 9·top_k, + 8 per head
+    assert len(want) == 6 + 8 * 2 + 9 * 3 + 8 * 8
     doc = FlashWatchCallback.__doc__
     for key in want:  # every key family is documented
         generic = re.sub(r"model\.transformer\.h\.\d\.attn", "<layer>", key)

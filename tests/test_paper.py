@@ -232,6 +232,22 @@ def test_fp32_o_keeps_the_forward_and_changes_only_delta(N, D, causal):
             assert torch.equal(_bits(x), _bits(y))
 
 
+def test_keep_o32_gives_every_heads_fp32_o_and_changes_nothing_else():
+    """keep_o32 (the watcher's δ error on every row): each head's FP32 O is the one an
+    FP32_O head would get, and O, LSE and the counters are those without it."""
+    q, k, v, _ = _data(513, 16, logit=30.0, seed=3)
+    modes = torch.tensor([int(Mode.STANDARD), int(Mode.BETA)])
+    kw = dict(causal=True, scale=0.25, beta=2.0, eps=1e-3)
+    plain = paper.forward(q, k, v, modes=modes, **kw)
+    kept = paper.forward(q, k, v, modes=modes, keep_o32=True, **kw)
+    assert plain.o32 is None and kept.o32.shape == (q.shape[0], 2, 513, 16)
+    assert torch.equal(_bits(kept.o), _bits(plain.o))
+    assert torch.equal(_bits(kept.lse), _bits(plain.lse))
+    assert torch.equal(kept.tied_rows, plain.tied_rows)
+    f32 = paper.forward(q, k, v, modes=torch.tensor([int(Mode.FP32_O)] * 2), **kw)
+    assert torch.equal(kept.o32[:, 0], f32.o32[:, 0])  # the STANDARD head: same P̄ and α
+
+
 def test_fp32_o_backward_needs_o32():
     q, k, v, do = _data(8, 16, logit=4.0, seed=0, B=1, H=1)
     modes = torch.tensor([int(Mode.FP32_O)], dtype=torch.int32)

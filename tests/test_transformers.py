@@ -130,7 +130,7 @@ def test_trainer_logs_bounded_keys_once_per_optimizer_step(tmp_path):
     for layer in LAYERS:
         want |= {f"flashwatch/{layer}/{m}_max" for m in (
             "tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
-            "wq_spectral_norm")}
+            "wq_spectral_norm", "delta_error_share")}
         want |= {f"flashwatch/{layer}/heads_not_standard", f"flashwatch/{layer}/heads_flagged"}
     for i in (1, 2, 3):
         want |= {f"flashwatch/worst_{i}/{m}" for m in (
