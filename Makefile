@@ -6,18 +6,42 @@ BIN := $(VENV)/bin
 # machine's disk; anywhere else pip fetches the same version from PyPI.
 TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
+# tests/test_prometheus.py and tests/test_dashboards.py run a real Prometheus server and
+# promtool: Debian's package has both and installs without starting a daemon.
+APT_INSTALL := apt-get install -y --no-install-recommends
+PROMETHEUS_HINT := prometheus and promtool are missing; the Prometheus tests need them. \
+Install Debian's package as root: sudo $(APT_INSTALL) prometheus (or run sudo make prometheus)
 
-.PHONY: install test demo lint bench clean
+.PHONY: install prometheus apt test demo lint bench clean
 
+# Debian's python3 has no venv module until python3-venv is installed.
 $(BIN)/.installed: pyproject.toml Makefile
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(VENV) || { $(MAKE) --no-print-directory apt PKG=python3-venv \
+		&& $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_PIN)" "$(TRITON_PIN)" -e ".[dev]"
 	touch $@
 
 install: $(BIN)/.installed
 
-test: install
+# Installs nothing when both are on PATH, so reruns cost nothing. Not root, or no
+# apt-get: says what to run and goes on; the tests that need them fail with that hint.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then \
+		$(MAKE) --no-print-directory apt PKG=prometheus; \
+	else echo "make: $(PROMETHEUS_HINT)" >&2; fi
+
+# One Debian package, as root: `make apt PKG=...`.
+apt:
+	@[ "$$(id -u)" -eq 0 ] && command -v apt-get >/dev/null || { \
+		echo "make: Debian's $(PKG) package is needed; run: sudo $(APT_INSTALL) $(PKG)" >&2; \
+		exit 1; }
+	@echo "installing Debian's $(PKG) package with apt-get"
+	DEBIAN_FRONTEND=noninteractive apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(APT_INSTALL) -qq $(PKG) >/dev/null
+
+test: install prometheus
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

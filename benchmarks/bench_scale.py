@@ -21,6 +21,7 @@ Scaling of each cost to d_model 8,192, d_head 128, N 8,192 is in benchmarks/RESU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import pathlib
 import statistics
@@ -189,11 +190,16 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
     return out
 
 
+# HeadRecord's float fields: what a report carries per head besides names and modes
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(HeadRecord) if f.type == "float"]
+
+
 def synthetic_report(n_layer: int, n_head: int) -> StepReport:
     g = torch.Generator().manual_seed(0)
-    vals = torch.randn(n_layer * n_head, 8, generator=g, dtype=torch.float64).tolist()
+    vals = torch.randn(n_layer * n_head, len(FLOAT_FIELDS), generator=g,
+                       dtype=torch.float64).tolist()
     heads = [HeadRecord(layer=f"model.layers.{i}.self_attn", head=h,
-                        **dict(zip(fw.report.HEAD_METRICS, vals[i * n_head + h], strict=True)),
+                        **dict(zip(FLOAT_FIELDS, vals[i * n_head + h], strict=True)),
                         head_mode=Mode.STANDARD)
              for i in range(n_layer) for h in range(n_head)]
     return StepReport(step=123_450, heads=heads, monitor_seconds=0.0123)
@@ -230,9 +236,9 @@ def output_sizes(n_layer: int, n_head: int) -> dict:
 
 
 def records_side_by_side(n: int = 5120, reps: int = 5) -> tuple[float, float]:
-    """HeadRecords from 8 float64 [n] tensors: a tensor index per head and field (as
+    """HeadRecords from float64 [n] tensors: a tensor index per head and field (as
     watcher.step() did) vs one tolist() per field (as it does); median seconds."""
-    cols = {f: torch.randn(n, dtype=torch.float64) for f in fw.report.HEAD_METRICS}
+    cols = {f: torch.randn(n, dtype=torch.float64) for f in FLOAT_FIELDS}
     modes = torch.zeros(n, dtype=torch.int64)
 
     def indexed():
@@ -309,8 +315,8 @@ def main() -> None:
 
     print("\n3. Collective bytes per rank and monitored step (float64; n = 5,120, k = 8)")
     n, k = 5120, 8
-    S = 8 * n * (5 + k * k)  # the packed payload of one rank
-    print(f"payload S = 8·n·(5+k²) = {S:,} bytes")
+    S = 8 * n * (12 + k * k)  # the packed payload of one rank (flashwatch/reduce.py)
+    print(f"payload S = 8·n·(12+k²) = {S:,} bytes")
     print("| ranks | all_gather (old): received (W−1)·S | SUM+MAX all_reduce: ≈ 2(W−1)/W·S "
           "each way |")
     print("|---|---|---|")

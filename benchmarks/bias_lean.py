@@ -1,4 +1,4 @@
-"""Rounding-error lean of O on planted rows, per arithmetic and mode (DESIGN.md §1).
+"""Rounding-error lean of O on planted rows, per arithmetic and mode (docs/design.md §1).
 
 Usage: python benchmarks/bias_lean.py [--rows 4096]
 Rows: max r_m at key 0 (and key 1 when tied), 62 other keys 10-14 nats lower, V < 0 in

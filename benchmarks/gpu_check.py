@@ -10,8 +10,10 @@
    counters on, all heads BETA, all heads FP32_O. Ratios are measured side by side in
    this one run.
 3. Checks that changing head modes compiled no new kernel.
-Writes OUT.json and OUT.md. Budget: ≤ 8 minutes on one H100/H200 (tests ≈ 2-3 min of
-compiles, tuning ≈ 1 min per shape, timing < 1 min).
+4. Cost of the δ error on every row (benchmarks/bench_all_rows.py on CUDA, T=1024):
+   monitored training steps, all rows vs sampled rows, Triton and SDPA.
+Writes OUT.json and OUT.md. Budget: ≤ 10 minutes on one H100/H200 (tests ≈ 2-3 min of
+compiles, tuning ≈ 1 min per shape, timing < 1 min, all-rows step timing ≤ 2 min).
 
 Targets (issue 3): fwd+bwd ≥ 0.9× SDPA flash with counters off; counters on ≤ 3% slower
 than off; all-BETA ≤ 5% slower; all-FP32_O ≤ 10% slower.
@@ -51,6 +53,20 @@ def run_tests(timeout_s: int) -> dict:
     except subprocess.TimeoutExpired as e:
         tail, rc = f"timed out after {timeout_s}s\n{(e.stdout or '')[-3000:]}", -1
     return {"returncode": rc, "seconds": round(time.time() - t0, 1), "tail": tail}
+
+
+def run_all_rows(timeout_s: int) -> dict:
+    """benchmarks/bench_all_rows.py on CUDA; its markdown table as text."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_all_rows.py"), "--device", "cuda",
+           "--block", "1024", "--steps", "10"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"),
+                              capture_output=True, text=True, timeout=timeout_s)
+        tail, rc = (proc.stdout + proc.stderr)[-3000:], proc.returncode
+    except subprocess.TimeoutExpired as e:
+        tail, rc = f"timed out after {timeout_s}s\n{(e.stdout or '')[-2000:]}", -1
+    return {"returncode": rc, "seconds": round(time.time() - t0, 1), "table": tail}
 
 
 def flops(b, h, n, d, causal=True):
@@ -182,6 +198,9 @@ def markdown(report: dict) -> str:
                       f"{tf['fwd_bwd']:.0f} |")
     md += ["", "## Targets", ""] + [f"- {line}" for line in report["verdicts"]]
     md += ["", f"Mode change recompiles: {report['no_recompile']}", ""]
+    md += ["## δ error on every row vs sampled rows (benchmarks/bench_all_rows.py)", "",
+           f"rc={report['all_rows']['returncode']} in {report['all_rows']['seconds']} s",
+           "", report["all_rows"]["table"].strip(), ""]
     md += ["## Test output (tail)", "", "```", report["tests"]["tail"].strip(), "```", ""]
     return "\n".join(md)
 
@@ -193,6 +212,8 @@ def main() -> int:
     ap.add_argument("--skip-tests", action="store_true", help="timing only")
     ap.add_argument("--test-timeout", type=int, default=300, help="seconds for the tests")
     ap.add_argument("--rep-ms", type=int, default=200, help="timing window per measurement")
+    ap.add_argument("--all-rows-timeout", type=int, default=120,
+                    help="seconds for the all-rows vs sampled-rows step timing")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
@@ -220,6 +241,7 @@ def main() -> int:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tests": tests, "bench": bench, "no_recompile": check_no_recompile(),
+        "all_rows": run_all_rows(args.all_rows_timeout),
         "seconds": round(time.time() - t0, 1),
     }
     report["verdicts"] = verdicts(bench)

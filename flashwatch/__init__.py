@@ -1,6 +1,6 @@
 """flashwatch: watch attention numerics while a transformer trains in BF16.
 
-Public API (names fixed by DESIGN.md §3): `attention`, `Mode`, `AttentionStats`,
+Public API (names fixed by docs/design.md §3): `attention`, `Mode`, `AttentionStats`,
 `watch`, `Watcher`, `WatchConfig`, `StepReport` (with `HeadRecord`, `Event`), and the
 sinks in `flashwatch.sinks`.
 """

@@ -23,22 +23,28 @@ class WatchConfig:
                       (benchmarks/RESULTS.md, "At scale"); raise it for more margin.
       rows_per_head   query rows sampled per layer and monitored step for the δ probe;
                       each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
-                      tiny next to the layer's N²·D·H. Default 64.
+                      tiny next to the layer's N²·D·H. Default 64. "all": recompute
+                      every row of a foreign kernel's call (e.g. SDPA) in FP32, so Σc
+                      and Σc² cover all rows (cost ≈ one FP32 attention forward per
+                      watched call; benchmarks/RESULTS.md). flashwatch's own kernels
+                      give c on every row either way, from their FP32 O.
       sketch_dim      k of the k×k sketch G_t of the W^Q gradient error. Default 8.
       window          monitored steps in the sliding window of drift z and coherence.
                       Default 64.
       seed            seeds the sketch matrices and the row sampling. Default 0.
 
     Kernel
-      eps             tie tolerance in scaled-score units (DESIGN.md §4). Default 1e-3.
-      beta            β of the BETA fix (paper: 2..8). Default 2.0.
+      eps             tie tolerance in scaled-score units (docs/design.md §4). Default 1e-3.
+      beta            β of the BETA fix (paper: 2..8). Default 2.0. eps and beta apply
+                      to every attention call in a watched layer, also to a
+                      flashwatch.attention call that passes its own (logged once).
       backend         attention backend for routed calls: "auto" | "reference" | "triton"
                       | "paper" (see flashwatch.attention). Default "auto".
       route_all       route every watched attention call through flashwatch.attention
                       (exact tie counters on all rows) instead of only layers with a
                       non-STANDARD head. Default False.
 
-    Policy (DESIGN.md §6). A head is flagged when its ties are elevated
+    Policy (docs/design.md §6). A head is flagged when its ties are elevated
     (tied_rowmax_ratio ≥ tie_ratio_threshold) and either its δ error persists in sign
     (delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold) or
     its W^Q spectral norm grew abnormally (relative growth over the window ≥
@@ -69,10 +75,44 @@ class WatchConfig:
                       128, d_model 8,192 one iteration reads W^Q twice, ≈ 0.11 ms per
                       layer on an H100-class GPU: 80 layers at the cap ≈ 0.9 s per
                       monitored step; lower it (≥ power_iters) to bound that.
+
+    Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
+      delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
+                      which a head goes to FP32_O directly (no tie gate). Default 0.1:
+                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, 0.2–0.4
+                      before the CPU-scale spikes, 0.54 at logits ≈ 140 in a run that
+                      did not spike (docs/REPRODUCTION.md §2). Synthetic streams: 0 of
+                      200 heads switched in 1000 monitored steps at a true share of
+                      0.07, all 200 at 0.2 (tests/test_policy.py).
+      delta_share_steps      consecutive monitored steps at or above the threshold
+                      before acting. Default 8 (one noisy 64-row estimate never acts).
+      beta_max_excess        BETA is chosen only where its shift stays this many nats or
+                      less above the row max, (β − 1)·max logit ≤ beta_max_excess (the
+                      fused and Triton kernels' underflow guard, 60 nats; within it the
+                      shift is the authors' exact β·r_m). Elsewhere the policy picks
+                      FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
+                      backend="paper" the limit is at most 20: the authors' unguarded rule
+                      floors a tied row's block sum from ≈ 23.7 nats (O shrinks) and
+                      zeroes rows from ≈ 88 nats (tests/test_policy.py). Default 60.0.
+      growth_min_logit       the W^Q-growth rule flags a head only while its max logit is
+                      at least this. Default 100: at ordinary settings logits stay at
+                      15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo ≈ 15) while heads
+                      grow ×5–7 at different rates, which the rule took for a hazard in
+                      runs that never spiked; the δ error is a large share of the
+                      gradient only at logits in the hundreds (docs/REPRODUCTION.md §2).
+                      The demo: 12 and 8 heads flagged without the floor (seeds 0, 1),
+                      all at max logits ≤ 15; none with it.
+
+    QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and FP32_O.
+      qk_clip_threshold      τ: after each monitored step, heads whose max logit exceeds
+                      τ get W^Q rows × η^α and W^K rows × η^(1−α), η = τ / max logit
+                      (Kimi K2 MuonClip, Megatron-LM --qk-clip; Megatron's τ is 100).
+                      None (default): off.
+      qk_clip_alpha          α, the share of the reduction put on W^Q. Default 0.5.
     """
 
     every_n_steps: int = 10
-    rows_per_head: int = 64
+    rows_per_head: int | str = 64
     sketch_dim: int = 8
     window: int = 64
     seed: int = 0
@@ -91,10 +131,21 @@ class WatchConfig:
     verify_steps: int = 32
     power_iters: int = 4
     power_max_iters: int = 100
+    delta_share_threshold: float = 0.1
+    delta_share_steps: int = 8
+    beta_max_excess: float = 60.0
+    growth_min_logit: float = 100.0
+    qk_clip_threshold: float | None = None
+    qk_clip_alpha: float = 0.5
 
     def __post_init__(self) -> None:
-        positive_ints = ("every_n_steps", "rows_per_head", "sketch_dim", "window", "patience",
+        positive_ints = ("every_n_steps", "sketch_dim", "window", "patience",
                          "verify_steps", "power_iters", "power_max_iters")
+        if self.rows_per_head != "all":
+            if isinstance(self.rows_per_head, str):
+                raise ValueError(f"rows_per_head must be a positive int or \"all\", got "
+                                 f"{self.rows_per_head!r}")
+            _check_int("rows_per_head", self.rows_per_head, minimum=1)
         for name in positive_ints:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("min_history", self.min_history, minimum=0)
@@ -118,6 +169,14 @@ class WatchConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.route_all, bool):
             raise TypeError(f"route_all must be a bool, got {self.route_all!r}")
+        _check_float("delta_share_threshold", self.delta_share_threshold, lower=0.0)
+        _check_int("delta_share_steps", self.delta_share_steps, minimum=1)
+        _check_float("beta_max_excess", self.beta_max_excess, lower=0.0)
+        _check_float("growth_min_logit", self.growth_min_logit, lower=-math.inf,
+                     lower_ok=True)
+        if self.qk_clip_threshold is not None:
+            _check_float("qk_clip_threshold", self.qk_clip_threshold, lower=0.0)
+        _check_float("qk_clip_alpha", self.qk_clip_alpha, lower=0.0, upper=1.0, lower_ok=True)
 
     def to_dict(self) -> dict:
         return asdict(self)

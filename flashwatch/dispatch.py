@@ -87,12 +87,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     backend: "auto" (Triton for bf16/fp16 CUDA tensors with D in 16/32/64/128, else the
       reference), "reference" (pure PyTorch, any device and dtype), or "triton"
       (bf16/fp16 only; CPU tensors need TRITON_INTERPRET=1 set before Python starts),
-      or "paper" (the reference in the arithmetic of the paper's public implementation:
-      scores, P̄, block products and running sums in the input dtype, 512-key blocks;
-      for research such as docs/REPRODUCTION.md, slower and less accurate on purpose).
+      or "paper" (kernels/paper.py: the paper's public implementation, bit-identical to
+      it run eagerly, forward and backward; everything in the input dtype, 512-key
+      blocks; for research such as docs/REPRODUCTION.md, less accurate on purpose).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
-    stronger of the two per head) and measures the call.
+    stronger of the two per head) and measures the call; beta and eps there are the
+    watcher's WatchConfig values (a different beta or eps passed here is logged once).
     """
     # Dynamo cannot trace ContextVar.get (graph break), so compiled code skips the watcher
     # hook: a torch.compile'd call runs with the head modes it was given.
@@ -104,7 +105,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                      eps=eps, stats=stats, backend=backend)
 
 
-def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
+def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
+              o32_out: list | None = None):
+    """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,
+    [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
@@ -116,7 +120,10 @@ def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend):
                                     head_modes=head_modes, beta=beta, eps=eps, stats=stats)
     backend = _resolve_backend(backend, q)
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
-        q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend)
+        q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
+        o32_out is not None)
+    if o32_out is not None:
+        o32_out.append(_o32)
     if stats is not None:
         stats.add_(tied, q.shape[0] * q.shape[2], guarded, max_logit.detach())
     return o

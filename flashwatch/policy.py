@@ -1,25 +1,39 @@
-"""Mitigation policy (DESIGN.md §6): per head, STANDARD → BETA → FP32_O, never down.
+"""Mitigation policy (docs/design.md §6): per head, STANDARD → BETA → FP32_O, never down. Two
+hazards, two fixes.
 
-A head is *flagged* on a monitored step when
-    its window holds ≥ min_history steps, and
-    tie_ratio ≥ tie_ratio_threshold, and
-    ( drift:    delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold
-      or growth: spectral_growth ≥ spectral_growth_threshold and
-                 spectral_growth ≥ spectral_growth_factor × median spectral_growth ).
-The median is over the finite spectral_growth of all heads given to the policy (the
-lower middle value for an even count), so growth shared by most heads (warmup, a
-learning-rate change) flags nobody. NaN in any input makes its comparison False, so
-NaN never flags.
+(a) The δ error is a large share of the W^Q gradient: `share` (delta_error_share) ≥
+    delta_share_threshold on delta_share_steps consecutive monitored steps → FP32_O
+    directly, from STANDARD or BETA, no tie gate, no min_history (reason "[delta_share]").
+(b) The δ error persists in sign, or W^Q grows abnormally, while ties are elevated. A
+    head is *flagged* for it on a monitored step when
+      its window holds ≥ min_history steps, and
+      tie_ratio ≥ tie_ratio_threshold, and
+      ( drift:  delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold
+        or growth: spectral_growth ≥ spectral_growth_threshold and
+                   spectral_growth ≥ spectral_growth_factor × median spectral_growth and
+                   max logit ≥ growth_min_logit ).
+    The median is over the finite spectral_growth of all heads given to the policy (the
+    lower middle value for an even count), so growth shared by most heads (warmup, a
+    learning-rate change) flags nobody; the logit floor (c) keeps ordinary early growth,
+    at small logits, from flagging anybody (reason "[drift]", "[wq_growth]").
+    After `patience` consecutive flagged steps: BETA where BETA is safe, i.e. its shift
+    lies at most beta_max_excess nats above the row max ((β − 1)·max logit, see
+    `beta_excess`; at most 20 on backend="paper", see `beta_limit`); FP32_O where it is
+    not or the max logit is NaN (BETA's unguarded paper form shrinks tied rows' O from
+    ≈ 23.7 nats and zeroes them from ≈ 88; the fused kernels guard at 60).
+NaN in any input makes its comparison False, so NaN never flags.
 
 State machine per head (the same in "advise" and "auto"):
-  STANDARD  after `patience` consecutive flagged steps → BETA.
+  STANDARD  flagged for `patience` steps → BETA (or FP32_O, above); rule (a) → FP32_O.
   BETA      counts monitored steps since the switch; once ≥ verify_steps, `patience`
             consecutive steps whose drift persists (z and coherence over threshold, ties
-            not required: BETA does not remove ties, it removes their bias) → FP32_O.
-            If the drift decayed, the head stays in BETA (and may still escalate later
-            if the drift comes back).
+            not required: BETA does not remove ties, it removes their bias) → FP32_O
+            ("[drift_persists]"). If the drift decayed, the head stays in BETA (and may
+            still escalate later if the drift comes back). A max logit beyond the BETA
+            limit → FP32_O at once ("[beta_unsafe]"); rule (a) → FP32_O.
   FP32_O    final.
-Modes only go up, so there is no flapping.
+Modes only go up, so there is no flapping. Every event's reason starts with the rule
+in brackets and gives the numbers that decided it.
 
 mitigation "off": flags are still reported; recommended = applied modes; no events.
 "advise": the state machine runs on a recommended mode per head (never below the
@@ -48,6 +62,27 @@ from flashwatch.report import Event
 from flashwatch.signals import SignalValues
 
 STANDARD, BETA, FP32_O = int(Mode.STANDARD), int(Mode.BETA), int(Mode.FP32_O)
+F64 = torch.float64
+
+
+# backend="paper" runs the authors' unguarded rule, whose block sum is floored at 1e-10:
+# a tied row (two maxima) shifted x nats above its max sums to 2e^-x, under the floor
+# from x ≈ 23.7, and its O then shrinks by 2e^-x / 1e-10 (≈ 0.002 at 30 nats).
+# 20 nats keeps such rows off the floor.
+PAPER_BETA_MAX_EXCESS = 20.0
+
+
+def beta_limit(config: WatchConfig) -> float:
+    """Largest BETA shift above the row max (nats) the policy accepts on config's backend."""
+    if config.backend == "paper":
+        return min(config.beta_max_excess, PAPER_BETA_MAX_EXCESS)
+    return config.beta_max_excess
+
+
+def beta_excess(max_logit: torch.Tensor, beta: float) -> torch.Tensor:
+    """Nats by which BETA's shift lies above a row max r_m: (β − 1)·r_m for r_m > 0,
+    −r_m otherwise (the shift is 0 there). NaN stays NaN."""
+    return torch.where(max_logit > 0, (beta - 1) * max_logit, -max_logit)
 
 
 @dataclass
@@ -89,13 +124,19 @@ class Policy:
         self.recommended = torch.zeros(n, dtype=torch.int64)  # state-machine mode per head
         self.streak = torch.zeros(n, dtype=torch.int64)  # consecutive qualifying steps
         self.since_switch = torch.zeros(n, dtype=torch.int64)  # monitored steps in this mode
+        self.share_streak = torch.zeros(n, dtype=torch.int64)  # consecutive large-share steps
 
     @property
     def n_heads(self) -> int:
         return len(self.heads)
 
     def decide(self, step: int, tie_ratio: torch.Tensor, values: SignalValues,
-               modes: torch.Tensor) -> Decision:
+               modes: torch.Tensor, *, max_logit: torch.Tensor | None = None,
+               share: torch.Tensor | None = None) -> Decision:
+        """One monitored step. max_logit [n]: the heads' max scaled score (None: not
+        known, then BETA counts as safe and the growth rule has no logit floor: for
+        offline replays of old logs). share [n]: delta_error_share (None: not measured,
+        rule (a) stays off)."""
         cfg, n = self.config, self.n_heads
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be the int optimizer step, got {step!r}")
@@ -104,6 +145,8 @@ class Policy:
         coh = self._vec("values.delta_coherence", values.delta_coherence)
         growth = self._vec("values.spectral_growth", values.spectral_growth)
         fill = self._vec("values.window_fill", values.window_fill)
+        logit = None if max_logit is None else self._vec("max_logit", max_logit)
+        share = None if share is None else self._vec("share", share)
         if not isinstance(modes, torch.Tensor) or tuple(modes.shape) != (n,) or (
                 modes.dtype.is_floating_point or modes.dtype == torch.bool):
             raise TypeError(f"modes must be an int tensor [{n}] of flashwatch.Mode values, got "
@@ -121,7 +164,14 @@ class Policy:
         median = finite_growth.median().item() if finite_growth.numel() else math.nan
         spectral = (growth >= cfg.spectral_growth_threshold) & (
             growth >= cfg.spectral_growth_factor * median)
-        flagged = ready & ties & (drift | spectral)
+        if logit is not None:  # rule (c): ordinary growth at small logits is no hazard
+            spectral &= logit >= cfg.growth_min_logit
+        hazard = ready & ties & (drift | spectral)
+        share_high = torch.zeros(n, dtype=torch.bool) if share is None else (
+            share >= cfg.delta_share_threshold)
+        flagged = hazard | share_high
+        excess = torch.zeros(n, dtype=F64) if logit is None else beta_excess(logit, cfg.beta)
+        beta_safe = excess <= beta_limit(cfg)  # NaN (no logit measured): not safe
 
         events: list[Event] = []
         reset = torch.zeros(n, dtype=torch.bool)
@@ -139,34 +189,59 @@ class Policy:
         self.recommended = base.clone()
         cur = self.recommended
         self.since_switch += 1  # this step is one more monitored step in the current mode
+        self.share_streak = torch.where(share_high, self.share_streak + 1,
+                                        torch.zeros_like(self.share_streak))
 
         # What moves a head up from its current mode this step.
-        qualifies = torch.where(cur == STANDARD, flagged, torch.zeros_like(flagged))
+        qualifies = torch.where(cur == STANDARD, hazard, torch.zeros_like(hazard))
         in_beta = cur == BETA
         if not auto:  # advice escalates only once BETA was really applied (by the user)
             in_beta &= applied == BETA
         verify = in_beta & ready & drift
         qualifies = torch.where(in_beta, verify, qualifies)
         self.streak = torch.where(qualifies, self.streak + 1, torch.zeros_like(self.streak))
-        go = self.streak >= cfg.patience
-        go &= ~in_beta | (self.since_switch >= cfg.verify_steps)
-        go &= cur != FP32_O
+        rule_flag = (self.streak >= cfg.patience) & (
+            ~in_beta | (self.since_switch >= cfg.verify_steps)) & (cur != FP32_O)
+        # (b) BETA only where its shift stays inside the guard; a BETA head whose logits
+        # outgrew it goes to FP32_O now (the paper's unguarded rule zeroes rows there).
+        rule_unsafe = (cur == BETA) & ~beta_safe & (logit is not None)
+        # (a) a large δ-error share goes to FP32_O directly, whatever the ties.
+        rule_share = (self.share_streak >= cfg.delta_share_steps) & (cur != FP32_O)
+        target = torch.where(rule_flag, cur + 1, cur)
+        target = torch.where(rule_flag & (cur == STANDARD) & ~beta_safe, FP32_O, target)
+        target = torch.where(rule_unsafe | rule_share, FP32_O, target)
+        go = target != cur
 
         for i in go.nonzero().flatten().tolist():
-            frm = Mode(int(cur[i]))
-            to = Mode(frm + 1)
+            frm, to = Mode(int(cur[i])), Mode(int(target[i]))
+            if rule_share[i]:
+                reason = (f"[delta_share] δ-error share of the W^Q gradient {_g(share[i])} ≥ "
+                          f"{_g(cfg.delta_share_threshold)} for {cfg.delta_share_steps} "
+                          f"monitored steps")
+            elif rule_unsafe[i]:
+                reason = "[beta_unsafe] " + self._unsafe_text(i, logit, excess)
+            else:
+                reason = self._reason(i, frm, tie, z, coh, growth, median, drift, spectral,
+                                      logit)
+                if to == Mode.FP32_O and frm == Mode.STANDARD:
+                    reason += "; " + self._unsafe_text(i, logit, excess)
             layer, head = self.heads[i]
             events.append(Event(step=step, layer=layer, head=head, from_mode=frm, to_mode=to,
-                                reason=self._reason(i, frm, tie, z, coh, growth, median,
-                                                    drift, spectral),
-                                applied=auto))
-        new = torch.where(go, cur + 1, cur)
+                                reason=reason, applied=auto))
+        new = target
         self.recommended = new.clone()
         self.streak[go] = 0
         self.since_switch[go] = 0
         if auto:
             return Decision(new.clone(), new.clone(), flagged, events, go.clone())
         return Decision(applied.clone(), new.clone(), flagged, events, reset)
+
+    def _unsafe_text(self, i, logit, excess) -> str:
+        cfg = self.config
+        return (f"BETA unsafe at max logit {_g(logit[i])}: its shift would sit {_g(excess[i])} "
+                f"nats above the row max ((β−1)·max logit, β {_g(cfg.beta)}), over "
+                f"the BETA limit {_g(beta_limit(cfg))} (beta_max_excess, backend {cfg.backend}); "
+                "FP32_O instead")
 
     def restart(self, mask: torch.Tensor) -> None:
         """Restart the patience and verification counters of the masked heads (their mode
@@ -175,23 +250,27 @@ class Policy:
         self.streak[mask] = 0
         self.since_switch[mask] = 0
 
-    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral) -> str:
+    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral,
+                logit=None) -> str:
         cfg = self.config
         drift_text = (f"drift z {_g(z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "
                       f"{_g(coh[i])} ≥ {_g(cfg.coherence_threshold)}")
         for_steps = f"for {cfg.patience} monitored step{'s' * (cfg.patience != 1)}"
         if frm == Mode.BETA:
-            return (f"drift persists {self.since_switch[i].item()} monitored steps after the "
-                    f"switch to BETA (verify_steps {cfg.verify_steps}): {drift_text} "
-                    f"{for_steps}")
+            return (f"[drift_persists] drift persists {self.since_switch[i].item()} monitored "
+                    f"steps after the switch to BETA (verify_steps {cfg.verify_steps}): "
+                    f"{drift_text} {for_steps}")
+        rules = [name for name, hit in (("drift", drift[i]), ("wq_growth", spectral[i])) if hit]
         parts = [f"tie ratio {_g(tie[i])} ≥ {_g(cfg.tie_ratio_threshold)}"]
         if drift[i]:
             parts.append(drift_text)
         if spectral[i]:
+            floor = "" if logit is None else (f", max logit {_g(logit[i])} ≥ "
+                                              f"{_g(cfg.growth_min_logit)}")
             parts.append(f"W^Q spectral growth {_g(growth[i])} ≥ "
                          f"{_g(cfg.spectral_growth_threshold)} and ≥ "
-                         f"{_g(cfg.spectral_growth_factor)} × median {_g(median)}")
-        return ", ".join(parts) + f" {for_steps}"
+                         f"{_g(cfg.spectral_growth_factor)} × median {_g(median)}{floor}")
+        return f"[{'+'.join(rules)}] " + ", ".join(parts) + f" {for_steps}"
 
     def _vec(self, name: str, t) -> torch.Tensor:
         if not isinstance(t, torch.Tensor):
@@ -204,7 +283,8 @@ class Policy:
 
     def state_dict(self) -> dict:
         return {"heads": list(self.heads), "recommended": self.recommended.clone(),
-                "streak": self.streak.clone(), "since_switch": self.since_switch.clone()}
+                "streak": self.streak.clone(), "since_switch": self.since_switch.clone(),
+                "share_streak": self.share_streak.clone()}
 
     def load_state_dict(self, sd: dict) -> None:
         heads = [tuple(h) for h in sd.get("heads", [])]
@@ -213,7 +293,8 @@ class Policy:
                 f"state is for {len(heads)} heads {heads[:3]}… but this policy watches "
                 f"{self.n_heads} heads {self.heads[:3]}…; build Policy with the saved run's heads"
             )
-        for name in ("recommended", "streak", "since_switch"):
+        names = ("recommended", "streak", "since_switch", "share_streak")
+        for name in names if "share_streak" in sd else names[:3]:  # states before v2
             t = sd.get(name)
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (self.n_heads,):
                 raise ValueError(f"state entry {name!r} must be an int64 tensor "

@@ -3,7 +3,7 @@
 On a monitored step each watched attention call samples R query rows (b, t). For them:
   O_fp32[T]  = softmax(s[T]) V in FP32 (s = scale·q[T]·Kᵀ from the input-dtype values)
   PK[T]      = softmax(s[T]) K (attention-weighted keys)
-  c[T]       = rowsum(dO ∘ O_used)[T] - rowsum(dO ∘ O_fp32)[T]   (DESIGN.md §5)
+  c[T]       = rowsum(dO ∘ O_used)[T] - rowsum(dO ∘ O_fp32)[T]   (docs/design.md §5)
   z[T]       = Ω_xᵀ X[T] (or Ω_qᵀ q[T] without X), y[T] = Ω_aᵀ PK[T]
   G          = Σ_T c[T] z[T] y[T]ᵀ  (k×k per head): a sketch of dW^Q_hp - dW^Q_lp.
 Cost per call ∝ R·N·D·H, against the layer's own N²·D·H.

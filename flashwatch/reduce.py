@@ -4,11 +4,13 @@ Every rank sums (or maxes) the same named tensors; each kind is packed into one 
 tensor and reduced by one `all_reduce`, so one monitored step costs at most two
 collectives whose payload depends on the model (heads, sketch_dim), never on the number
 of ranks. With n heads and k = sketch_dim the watcher packs
-  SUM  n · (4 + k²) values (tie and row counts, δ sum, gradient rows, the k×k sketch G)
+  SUM  n · (11 + k²) values (tie and row counts, δ sum, gradient rows, the k×k sketch
+       G; Σc², rows with and without c, the share's numerator and rows, ‖dW^Q‖²,
+       guarded rows)
   MAX  n values (max logit)
-i.e. S = 8 · n · (5 + k²) bytes; a ring or tree all_reduce sends and receives about
-2·S per rank whatever the world size (n = 5,120, k = 8: S = 2.8 MB, ≈ 5.6 MB each way).
-The all_gather this replaces received (world_size − 1)·S per rank (2.9 GB at 1,024).
+i.e. S = 8 · n · (12 + k²) bytes; a ring or tree all_reduce sends and receives about
+2·S per rank whatever the world size (n = 5,120, k = 8: S = 3.1 MB, ≈ 6.2 MB each way).
+The all_gather this replaces received (world_size − 1)·S per rank (3.2 GB at 1,024).
 
 Adding a summed or maxed quantity is one entry in the dict the caller passes.
 """

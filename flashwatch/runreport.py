@@ -44,7 +44,8 @@ def load_run(run_dir: Path) -> dict:
     for key in ("tied_rowmax_ratio", "delta_drift_z", "delta_coherence", "wq_spectral_norm",
                 "attention_max_logit"):
         series[key] = [[_nan(h[key]) for h in r["heads"]] for r in reports]
-    events = [e for r in reports for e in r["events"]]
+    events = [e for r in reports for e in r["events"] if e.get("kind", "mode") == "mode"]
+    clips = [e for r in reports for e in r["events"] if e.get("kind") == "qk_clip"]
     loss = []
     train = run_dir / "train.jsonl"
     if train.is_file():
@@ -53,7 +54,7 @@ def load_run(run_dir: Path) -> dict:
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
     return dict(heads=heads, steps=steps, series=series, events=events, loss=loss,
-                summary=summary, reports=reports)
+                summary=summary, reports=reports, clips=clips)
 
 
 def _label(head) -> str:
@@ -196,6 +197,14 @@ def _markdown(run: dict) -> str:
                 f"- {layer} head {head}: drift z {_fmt(before[-1] if before else None)} at "
                 f"the first change (step {first}), {_fmt(after[-1] if after else None)} at "
                 f"the end; W^Q spectral norm {_fmt(sig[0])} → {_fmt(sig[-1])}.")
+        lines.append("")
+    if run["clips"]:
+        lines += ["## QK-clips", "", "| layer | head | clips | first step | last reason |",
+                  "|---|---|---|---|---|"]
+        for layer, head in sorted({(e["layer"], e["head"]) for e in run["clips"]}):
+            mine = [e for e in run["clips"] if (e["layer"], e["head"]) == (layer, head)]
+            lines.append(f"| {layer} | {head} | {len(mine)} | {mine[0]['step']} | "
+                         f"{mine[-1]['reason']} |")
         lines.append("")
     lines += ["## Plots", ""] + [f"![{p}]({p})" for p in PLOTS] + [""]
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Per-head online signals of the δ error (DESIGN.md §5), for n heads at once.
+"""Per-head online signals of the δ error (docs/design.md §5), for n heads at once.
 
 Each monitored step brings, per head, the k×k sketch G_t = Σ_T c[T] z[T] y[T]ᵀ of the
 W^Q gradient error and the W^Q spectral norm σ. From them:
@@ -16,6 +16,16 @@ W^Q gradient error and the W^Q spectral norm σ. From them:
   delta_coherence          ‖Σ_W G‖_F / Σ_W ‖G‖_F ∈ [0, 1]: 1 when all G point one way,
                            ≈ 1/sqrt(window) for independent zero-mean G.
   spectral_growth          σ_now / σ_oldest_in_window − 1.
+  delta_sign_z             Σ_W Σc / sqrt(Σ_W Σc²) from the per-step sums over rows of
+                           c[T] (all rows when flashwatch's kernel ran): ≈ N(0, 1) when
+                           row errors are zero-mean and independent, ≈ r·sqrt(M·W) for a
+                           per-row signal-to-noise r over M rows per step. Rows of one
+                           sequence share dO and keys, so it is not a calibrated alarm:
+                           reported, not used by the policy.
+  delta_error_share_mean   sqrt of the window mean of share² (the square is what the
+                           estimator gets right on average: a single sampled step is
+                           skewed low), and the spread of the per-step shares
+  delta_error_share_std    (their standard deviation over the window's steps).
 
 Memory is fixed: C [n, k, k], Σκ [n], ring buffers of the last `window` steps (κ, G,
 ‖G‖_F, σ) and the window sum of G, whatever the number of steps. The κ and ‖G‖_F window
@@ -56,6 +66,11 @@ class SignalValues:
     delta_coherence: torch.Tensor  # ‖Σ_W G‖_F / Σ_W ‖G‖_F; 0 when Σ_W ‖G‖_F = 0
     spectral_growth: torch.Tensor  # σ_now / σ_oldest − 1; NaN if unknown, < 1 step or σ_oldest ≤ 0
     window_fill: torch.Tensor  # int64: steps in each head's window (0..window)
+    # Reported only (the policy does not read them), so optional for callers that build
+    # SignalValues by hand:
+    delta_sign_z: torch.Tensor | None = None  # Σ_W Σc / sqrt(Σ_W Σc²); 0 when Σ_W Σc² = 0
+    delta_error_share_mean: torch.Tensor | None = None  # sqrt(mean share²) over the window
+    delta_error_share_std: torch.Tensor | None = None  # std of the shares (NaN below 2)
 
 
 class _StartVectors(dict):
@@ -109,7 +124,7 @@ class HeadSignals:
     """Online δ-error signals for `n_heads` heads with k×k sketches and a sliding window."""
 
     _TENSORS = ("C", "kappa_cum", "kappa_ring", "g_ring", "g_sum", "gnorm_ring", "sigma_ring",
-                "pos", "fill")
+                "csum_ring", "csq_ring", "share_ring", "pos", "fill")
 
     def __init__(self, n_heads: int, sketch_dim: int, window: int) -> None:
         self.n_heads = _check_positive_int("n_heads", n_heads)
@@ -126,15 +141,25 @@ class HeadSignals:
         self.g_sum = torch.zeros(n, k, k, dtype=F64)  # Σ of g_ring over the window
         self.gnorm_ring = torch.zeros(n, w, dtype=F64)
         self.sigma_ring = torch.full((n, w), float("nan"), dtype=F64)
+        self.csum_ring = torch.zeros(n, w, dtype=F64)  # Σc of each step
+        self.csq_ring = torch.zeros(n, w, dtype=F64)  # Σc² of each step
+        self.share_ring = torch.full((n, w), float("nan"), dtype=F64)
         self.pos = torch.zeros(n, dtype=torch.int64)
         self.fill = torch.zeros(n, dtype=torch.int64)
         self._rows = torch.arange(n)
 
-    def update(self, G: torch.Tensor, sigma: torch.Tensor) -> SignalValues:
-        """Add one monitored step: G [n, k, k] (non-finite = no data), sigma [n] (NaN = unknown)."""
+    def update(self, G: torch.Tensor, sigma: torch.Tensor, csum=None, csq=None,
+               share=None) -> SignalValues:
+        """Add one monitored step: G [n, k, k] (non-finite = no data), sigma [n] (NaN =
+        unknown); optional csum, csq [n] (Σc, Σc² over the step's rows; non-finite = 0)
+        and share [n] (delta_error_share of the step, NaN = unknown)."""
         n, k = self.n_heads, self.sketch_dim
         G = self._as_f64("G", G, (n, k, k))
         sigma = self._as_f64("sigma", sigma, (n,))
+        nan = torch.full((n,), float("nan"), dtype=F64)
+        csum = nan if csum is None else self._as_f64("csum", csum, (n,))
+        csq = nan if csq is None else self._as_f64("csq", csq, (n,))
+        share = nan if share is None else self._as_f64("share", share, (n,))
         has = torch.isfinite(G).flatten(1).all(dim=1)  # heads with data this step
         G = torch.where(has[:, None, None], G, torch.zeros_like(G))
 
@@ -154,6 +179,11 @@ class HeadSignals:
         self.g_ring[idx, slot] = Gi
         self.gnorm_ring[idx, slot] = torch.linalg.matrix_norm(Gi)
         self.sigma_ring[idx, slot] = sigma[idx]
+        self.csum_ring[idx, slot] = torch.nan_to_num(csum[idx], nan=0.0, posinf=0.0,
+                                                     neginf=0.0)
+        self.csq_ring[idx, slot] = torch.nan_to_num(csq[idx], nan=0.0, posinf=0.0,
+                                                    neginf=0.0)
+        self.share_ring[idx, slot] = share[idx]
         self.pos[idx] = (slot + 1) % self.window
         self.fill[idx] = torch.clamp(self.fill[idx] + 1, max=self.window)
         wrapped = idx[self.pos[idx] == 0]  # re-sum exactly once per window
@@ -177,6 +207,14 @@ class HeadSignals:
         ok = (self.fill > 0) & (oldest > 0) & torch.isfinite(newest)  # NaN > 0 is False
         growth = torch.where(ok, newest / oldest.clamp_min(1e-300) - 1.0,
                              torch.full_like(newest, float("nan")))
+        c1, c2 = self.csum_ring.sum(dim=1), self.csq_ring.sum(dim=1)
+        sign_z = torch.where(c2 > 0, c1 / c2.clamp_min(1e-300).sqrt(), torch.zeros_like(c1))
+        share_n = torch.isfinite(self.share_ring).sum(dim=1)
+        share_rms = self.share_ring.square().nanmean(dim=1).sqrt()
+        share_dev = self.share_ring - self.share_ring.nanmean(dim=1, keepdim=True)
+        share_var = share_dev.square().nansum(dim=1) / (share_n - 1).clamp_min(1)
+        share_std = torch.where(share_n >= 2, share_var.sqrt(), torch.full_like(share_var,
+                                                                                float("nan")))
         return SignalValues(
             r_projection=kappa,
             r_projection_cumulative=self.kappa_cum.clone(),
@@ -184,6 +222,9 @@ class HeadSignals:
             delta_coherence=coh,
             spectral_growth=growth,
             window_fill=self.fill.clone(),
+            delta_sign_z=sign_z,
+            delta_error_share_mean=share_rms,
+            delta_error_share_std=share_std,
         )
 
     def reset_window(self, mask: torch.Tensor) -> None:
@@ -203,6 +244,9 @@ class HeadSignals:
         self.g_sum[m] = 0.0
         self.gnorm_ring[m] = 0.0
         self.sigma_ring[m] = float("nan")
+        self.csum_ring[m] = 0.0
+        self.csq_ring[m] = 0.0
+        self.share_ring[m] = float("nan")
         self.pos[m] = 0
         self.fill[m] = 0
 

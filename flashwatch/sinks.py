@@ -163,6 +163,11 @@ class ConsoleSink:
             return
         self._count += 1
         for e in report.events:
+            if e.kind == "qk_clip":
+                verb = "QK-clipped" if e.applied else "recommend QK-clipping"
+                print(f"[flashwatch] step {e.step}: {verb} {e.layer} head {e.head} "
+                      f"({e.reason})", file=self.stream)
+                continue
             verb = "switched" if e.applied else "recommend switching"
             print(f"[flashwatch] step {e.step}: {verb} {e.layer} head {e.head} "
                   f"{e.from_mode.name} -> {e.to_mode.name} ({e.reason})", file=self.stream)

@@ -1,7 +1,7 @@
 """Discovery of attention layers ("sites") in a model.
 
 A site is one attention module: the module whose forward makes the attention call, its
-head counts, its W^Q per head ([H, d_head, d_model], DESIGN.md §1 step 2 and §5) and
+head counts, its W^Q per head ([H, d_head, d_model], docs/design.md §1 step 2 and §5) and
 the module whose input is X, the input of the Q projection.
 
 `find_sites(model)` recognises three layouts by the names of a module's direct children:

@@ -1,6 +1,6 @@
 """Largest singular value of each head's W^Q by batched, warm-started power iteration.
 
-`wq_spectral_norm` (DESIGN.md §5) is watched every monitored step for every head, so it
+`wq_spectral_norm` (docs/design.md §5) is watched every monitored step for every head, so it
 must be cheap: one product with W and one with Wᵀ per iteration, batched over heads.
 A warm start from the previous step's vector needs only a few iterations
 (`WatchConfig.power_iters`, default 4) because W^Q moves little between monitored steps.

@@ -1,13 +1,16 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
-One monitored optimizer step, end to end (DESIGN.md §2):
+One monitored optimizer step, end to end (docs/design.md §2):
   forward   a forward pre-hook on each watched attention module marks it current; a
             TorchFunctionMode (pushed only while that module runs, and only when needed)
             catches its F.scaled_dot_product_attention call, and flashwatch.attention
             calls see the same mark. A layer with a non-STANDARD head is routed to
             flashwatch.attention with its modes. On monitored steps the probe samples
             rows, recomputes them in FP32 and hooks the output's gradient.
-  backward  the gradient hook computes c[T] and the sketch G for the sampled rows.
+  backward  the gradient hook computes c[T] and the sketch G for the sampled rows; when
+            flashwatch's own kernel ran, also c[T] on every row from the kernel's FP32 O
+            (Σc, Σc² then cover all rows); a post-accumulate-grad hook on the Q
+            projection's weight keeps ‖dW^Q_h‖² of the step for delta_error_share.
   step()    once per optimizer step: W^Q spectral norms, one SUM and one MAX all_reduce
             across ranks (constant size in the world size), signals, policy, new
             modes from the next step, a StepReport to sinks.
@@ -33,6 +36,7 @@ from flashwatch import probe, reduce
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
+from flashwatch.qkclip import QKClip
 from flashwatch.report import HeadRecord, StepReport
 from flashwatch.signals import HeadSignals
 from flashwatch.sinks import Sink
@@ -66,6 +70,15 @@ class _SiteState:
     delta_sum: torch.Tensor | None = None
     G: torch.Tensor | None = None
     grad_rows: int = 0
+    o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
+    # per head [H] float64: Σc², rows c covered, rows it missed (sampled calls), the
+    # estimate of ‖E‖²_F (see _grad_hook) and ‖dW^Q_h‖²_F of the step's gradient
+    delta_sq: torch.Tensor | None = None
+    delta_rows: torch.Tensor | None = None
+    delta_missed: torch.Tensor | None = None
+    share_num: torch.Tensor | None = None
+    share_rows: int = 0  # sampled rows with X (no X: no share)
+    wq_grad_sq: torch.Tensor | None = None
 
     def reset(self, k: int) -> None:
         H = self.site.num_heads
@@ -76,6 +89,11 @@ class _SiteState:
         self.delta_sum = torch.zeros(H, dtype=torch.float64)
         self.G = torch.zeros(H, k, k, dtype=torch.float64)
         self.grad_rows = 0
+        self.o32 = None
+        self.delta_sq, self.delta_rows, self.delta_missed, self.share_num = (
+            torch.zeros(H, dtype=torch.float64) for _ in range(4))
+        self.share_rows = 0
+        self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
 
 
 class _Interceptor(TorchFunctionMode):
@@ -130,6 +148,7 @@ class Watcher:
                        for h in range(st.site.num_heads)]
         self._signals = HeadSignals(len(self._heads), k, cfg.window)
         self._policy = Policy(cfg, self._heads)
+        self._qk_clip = QKClip(cfg, self.sites)
         self._gen = torch.Generator().manual_seed(cfg.seed)
         self._step = 0  # optimizer steps completed = index of the step being accumulated
         self._monitoring = True  # step 0 is monitored
@@ -150,6 +169,10 @@ class Watcher:
             if st.site.q_module is not None:
                 self._handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
+                w = getattr(st.site.q_module, "weight", None)
+                if isinstance(st.site.q_module, nn.Linear) and w.requires_grad:
+                    self._handles.append(
+                        w.register_post_accumulate_grad_hook(self._wq_grad_hook(st)))
 
     # ----------------------------------------------------------------------- public API
 
@@ -164,7 +187,8 @@ class Watcher:
 
     @property
     def events(self) -> list:
-        """Every mode change (applied or advised) since the start, oldest first."""
+        """Every mode change and QK-clip (applied or advised) since the start, oldest
+        first."""
         return list(self._events)
 
     def head_modes(self) -> dict[str, list[Mode]]:
@@ -252,6 +276,7 @@ class Watcher:
             "events": [e.to_dict() for e in self._events],
             "unreported": [e.to_dict() for e in self._unreported],
             "errors_total": self._errors_total,
+            "qk_clip": self._qk_clip.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -281,6 +306,8 @@ class Watcher:
         self._events = [Event.from_dict(e) for e in sd["events"]]
         self._unreported = [Event.from_dict(e) for e in sd.get("unreported", [])]
         self._errors_total = int(sd["errors_total"])
+        if "qk_clip" in sd:
+            self._qk_clip.load_state_dict(sd["qk_clip"])
 
     def remove(self) -> None:
         """Detach every hook and close the sinks; the model is left as it was."""
@@ -356,6 +383,22 @@ class Watcher:
                 self._error(f"forward post-hook {st.site.name}", e)
         return hook
 
+    def _wq_grad_hook(self, st: _SiteState):
+        """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
+        last one of a monitored step is the whole step's gradient, before clipping and
+        before the user's zero_grad, wherever they call watcher.step()."""
+        def hook(param):
+            if not self._measuring or self._removed or param.grad is None:
+                return
+            try:
+                a, b = st.site.q_slice_of_output
+                H, D = st.site.num_heads, st.site.head_dim
+                g = param.grad.detach()[a:b].float().reshape(H, D, -1)
+                st.wq_grad_sq = g.square().sum((1, 2)).double().cpu()
+            except Exception as e:
+                self._error(f"W^Q gradient {st.site.name}", e)
+        return hook
+
     def _x_hook(self, st: _SiteState):
         def hook(module, args):  # cannot fail: one attribute store
             if self._measuring and not self._removed and args:
@@ -370,6 +413,9 @@ class Watcher:
         a = dict(zip(names, args, strict=False))  # SDPA takes fewer positionals
         a.update(kwargs)
         q, k, v = a["query"], a["key"], a["value"]
+        if torch.is_autocast_enabled(q.device.type):  # route and probe what SDPA computes
+            dt = torch.get_autocast_dtype(q.device.type)  # with: rotary models hand it
+            q, k, v = (t.to(dt) for t in (q, k, v))  # FP32 q, k and a BF16 v
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
         route = self.config.route_all or bool(st.modes.any())
@@ -406,9 +452,16 @@ class Watcher:
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats)
+            # One β and eps per watched layer, the WatchConfig's: the heads the policy
+            # switches and the ties it counts must use the values it was configured with.
+            if (beta, eps) != (self.config.beta, self.config.eps):
+                self._warn_once(st, "beta", f"flashwatch: {st.site.name} calls "
+                                f"flashwatch.attention with beta={beta}, eps={eps}; inside a "
+                                f"watched layer the WatchConfig's beta={self.config.beta}, "
+                                f"eps={self.config.eps} apply (pass them to flashwatch.watch)")
             try:
                 out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                                   beta=beta, eps=eps, backend=backend)
+                                   backend=backend)
             except Exception as e:  # a failure of ours: run the call as it was made
                 self._error(f"routing {st.site.name}", e)
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
@@ -432,10 +485,12 @@ class Watcher:
         stats = None
         if self._measuring or user_stats is not None:
             stats = AttentionStats.zeros(q.shape[1], device=q.device)
+        o32 = [] if self._measuring else None  # the kernel's FP32 O: c[T] on every row
         out = _dispatch_mod._dispatch(
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
-            stats=stats, backend=backend or cfg.backend)
+            stats=stats, backend=backend or cfg.backend, o32_out=o32)
+        st.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None
         if stats is not None:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
@@ -456,6 +511,7 @@ class Watcher:
 
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed):
         cfg = self.config
+        o32_all, st.o32 = (st.o32 if routed else None), None
         if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
             self._warn_once(st, "shape", f"flashwatch: {st.site.name}: attention on shape "
                             f"{tuple(q.shape)} is not [B, H, N, D]; not probed")
@@ -468,7 +524,8 @@ class Watcher:
             if k.shape[1] != H:
                 rep = H // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            b, t = probe.sample_rows(self._gen, B, Nq, cfg.rows_per_head)
+            n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
+            b, t = probe.sample_rows(self._gen, B, Nq, n_rows)
             b, t = b.to(q.device), t.to(q.device)
             o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
@@ -476,15 +533,27 @@ class Watcher:
             st.probe_rows += len(b)
             st.probe_max = torch.maximum(st.probe_max, row_max.amax(0).cpu())
             o_used = out[b, :, t].float()
-            fp32_heads = st.modes == int(Mode.FP32_O)
+            fp32_heads = (st.modes == int(Mode.FP32_O)).to(q.device)
             if routed and fp32_heads.any():
                 # δ of these heads came from the kernel's FP32 O; its residual error is at
                 # FP32 rounding, far below what the probe resolves: count it as 0.
-                o_used[:, fp32_heads.to(q.device)] = o32[:, fp32_heads.to(q.device)]
+                o_used[:, fp32_heads] = o32[:, fp32_heads]
+            every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads) on every row
+            if o32_all is not None:
+                # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
+                # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
+                # are saved for the backward anyway: holding them costs no memory.
+                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads)
+            # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is rank 1,
+            # ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
+            share_w = None
             x = st.x
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
-                z = x.detach()[b, t].float() @ st.omega_x.to(q.device)  # [R, k]
+                xr = x.detach()[b, t].float()
+                z = xr @ st.omega_x.to(q.device)  # [R, k]
+                share_w = (scale ** 2 * B * Nq / len(b)) * (
+                    xr.double().square().sum(-1, keepdim=True) * pk.double().square().sum(-1))
             else:
                 if x is not None:
                     self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
@@ -493,9 +562,10 @@ class Watcher:
                 z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
             y = pk @ st.omega_a.to(q.device)  # [R, H, k]
         if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y))
+            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y, every_row,
+                                                    share_w, B * Nq))
 
-    def _grad_hook(self, st, b, t, o_used, o32, z, y):
+    def _grad_hook(self, st, b, t, o_used, o32, z, y, every_row, share_w, n_rows):
         def hook(grad):
             if self._removed:
                 return None
@@ -503,9 +573,21 @@ class Watcher:
             try:
                 with torch.no_grad(), no_autocast(grad.device):
                     c = probe.delta_error(grad[b, :, t], o_used, o32)  # [R, H]
-                    st.delta_sum += c.sum(0).cpu()
                     st.G += probe.sketch(c, z, y).cpu()
                     st.grad_rows += len(b)
+                    if share_w is not None:
+                        st.share_num += (share_w * c.square()).sum(0).cpu()
+                        st.share_rows += len(b)
+                    if every_row is not None:  # c = rowsum(dO ∘ (O_used - O_fp32))
+                        o_all, o32_all, fp32_heads = every_row
+                        c = (grad.float() * (o_all.float() - o32_all)).sum(
+                            -1, dtype=torch.float64)  # [B, H, Nq]
+                        c[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
+                        c = c.transpose(0, 1).reshape(c.shape[1], -1).T  # [B·Nq, H]
+                    st.delta_sum += c.sum(0).cpu()
+                    st.delta_sq += c.square().sum(0).cpu()
+                    st.delta_rows += c.shape[0]
+                    st.delta_missed += n_rows - c.shape[0]
             except Exception as e:
                 self._error(f"gradient probe {st.site.name}", e)
             self._monitor_seconds += time.perf_counter() - t0
@@ -523,6 +605,9 @@ class Watcher:
         delta_sum = torch.zeros(n, dtype=torch.float64)
         G = torch.zeros(n, k, k, dtype=torch.float64)
         grad_rows = torch.zeros(n, dtype=torch.float64)
+        # summed over ranks like delta_sum: Σc², rows with c, rows without, ‖E‖² estimate,
+        # rows behind it, ‖dW^Q_h‖², guarded rows
+        extra = torch.zeros(7, n, dtype=torch.float64)
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
         for st in self._states:
             sl = slice(st.offset, st.offset + st.site.num_heads)
@@ -536,6 +621,10 @@ class Watcher:
             delta_sum[sl] = st.delta_sum
             G[sl] = st.G
             grad_rows[sl] = float(st.grad_rows)
+            extra[:, sl] = torch.stack([
+                st.delta_sq, st.delta_rows, st.delta_missed, st.share_num,
+                torch.full_like(st.share_num, st.share_rows), st.wq_grad_sq,
+                st.stats.guarded_rows.double()])
             try:
                 with torch.no_grad():
                     s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
@@ -546,33 +635,47 @@ class Watcher:
                 self._error(f"spectral norm {st.site.name}", e)
             st.reset(k)
         # One SUM and one MAX all_reduce (flashwatch/reduce.py); a new summed or maxed
-        # per-head quantity is one more entry here.
+        # per-head quantity is one more entry here (or one more row of `extra`).
         sums, maxes = reduce.all_reduce(
-            dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G),
+            dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G,
+                 extra=extra),
             dict(max_logit=max_logit))
-        tied, rows, delta_sum, grad_rows, G = (sums[k] for k in
-                                               ("tied", "rows", "delta_sum", "grad_rows", "G"))
+        tied, rows, delta_sum, grad_rows, G, extra = (
+            sums[k] for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
         max_logit = maxes["max_logit"]
+        delta_sq, delta_rows, delta_missed, share_num, share_rows, wq_grad_sq, guarded = extra
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
         max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
         no_grad = grad_rows == 0
         delta_sum = torch.where(no_grad, math.nan, delta_sum)
         G = torch.where(no_grad.view(-1, 1, 1), math.nan, G)
-        values = self._signals.update(G, sigma)
+        # Across ranks: ratio of the rank sums (‖E_r‖² and ‖dW^Q_r‖² of the local
+        # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
+        share = (share_num / wq_grad_sq).sqrt()
+        share = torch.where((share_rows == 0) | ~(wq_grad_sq > 0), math.nan, share)
+        values = self._signals.update(G, sigma, delta_sum, delta_sq, share)
         modes = torch.cat([st.modes for st in self._states]).long()
-        decision = self._policy.decide(step, tie_ratio, values, modes)
+        # share: delta_error_share per head, wired by issue 12's full-row δ sums.
+        decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
+                                       share=None)
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
             st.modes = new_modes[st.offset:st.offset + st.site.num_heads].clone()
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
+        clips = self._safe_qk_clip(step, max_logit, new_modes)
         # One tolist() per field, not a tensor index per head and field (5,120 heads:
         # benchmarks/bench_scale.py); a new per-head field is one more entry here.
         columns = {k: v.tolist() for k, v in dict(
             tied_rowmax_ratio=tie_ratio, attention_max_logit=max_logit,
-            delta_error_sum=delta_sum, r_projection=values.r_projection,
+            delta_error_sum=delta_sum, delta_error_rows=delta_rows,
+            delta_error_all_rows=(delta_rows > 0) & (delta_missed == 0),
+            delta_sign_z=values.delta_sign_z, delta_error_share=share,
+            delta_error_share_mean=values.delta_error_share_mean,
+            delta_error_share_std=values.delta_error_share_std,
+            guarded_rows=guarded.long(), r_projection=values.r_projection,
             r_projection_cumulative=values.r_projection_cumulative,
             delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
             wq_spectral_norm=sigma).items()}
@@ -584,10 +687,21 @@ class Watcher:
                    for i, (layer, head) in enumerate(self._heads)]
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
-        events = self._unreported + list(decision.events)
+        events = self._unreported + list(decision.events) + clips
         self._unreported = []
         return StepReport(step=step, heads=records, events=events,
-                          unmitigable=unmitigable)
+                          unmitigable=unmitigable, qk_clips_total=self._qk_clip.total)
+
+    def _safe_qk_clip(self, step, max_logit, modes) -> list:
+        """QK-clip after the reduction: max_logit is the same on every rank, so are the
+        factors (flashwatch/qkclip.py)."""
+        try:
+            clips = self._qk_clip.apply(step, max_logit, modes)
+        except Exception as e:
+            self._error("qk_clip", e)
+            return []
+        self._events.extend(clips)
+        return clips
 
     # ----------------------------------------------------------------------- errors
 

@@ -1,4 +1,4 @@
-"""`FlashWatchCallback`: flashwatch for PyTorch Lightning in one line (DESIGN.md §7).
+"""`FlashWatchCallback`: flashwatch for PyTorch Lightning in one line (docs/design.md §7).
 
     from flashwatch.integrations.lightning import FlashWatchCallback
     trainer = L.Trainer(callbacks=[FlashWatchCallback(mitigation="auto")], ...)
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from collections.abc import Iterable
 
 import lightning.pytorch as pl
@@ -16,14 +15,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 import flashwatch
 from flashwatch.config import WatchConfig
-from flashwatch.kernels.common import Mode
-from flashwatch.report import LAYER_MAX, StepReport
+from flashwatch.integrations import shared
+from flashwatch.report import StepReport
 
 log = logging.getLogger("flashwatch")
-
-# Per worst head and per head (opt-in): these fields, under their own names.
-_HEAD_KEYS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
-              "r_projection_cumulative", "delta_drift_z", "delta_coherence", "wq_spectral_norm")
 
 
 class FlashWatchCallback(pl.Callback):
@@ -32,8 +27,9 @@ class FlashWatchCallback(pl.Callback):
     Keyword arguments: every field of `flashwatch.WatchConfig` with the same name,
     type and default (every_n_steps, rows_per_head, sketch_dim, window, seed, eps, beta,
     backend, route_all, mitigation and the policy thresholds; see its docstring), and:
-      sinks            extra flashwatch sinks (JsonlSink, ConsoleSink, ...); closed at
-                       teardown together with the watcher.
+      sinks            extra flashwatch sinks (JsonlSink, ConsoleSink, PrometheusSink,
+                       ...). They stay yours: teardown does not close them, so a second
+                       fit() writes to them again; close them when done.
       sites            which modules to watch, passed to `flashwatch.watch` (default:
                        found automatically).
       log_per_head     also log every head's metrics (keys grow with layers × heads).
@@ -54,7 +50,8 @@ class FlashWatchCallback(pl.Callback):
                    validation batches never enter the training step's numbers.
       state_dict   modes, accumulators, RNG and events: `trainer.fit(ckpt_path=...)`
                    resumes the watcher exactly.
-      teardown     removes the watcher (the model is left as it was) and closes sinks.
+      teardown     removes the watcher (the model is left as it was) and closes the
+                   Prometheus endpoint it opened (prometheus_port), not your sinks.
       A failure inside flashwatch is logged and counted, never raised into training.
 
     Logged keys (through `pl_module.log`, rank 0 only, at the trainer's
@@ -65,26 +62,28 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/monitor_errors_total          failures inside flashwatch so far
       flashwatch/mitigations_total             mode switches applied so far
       flashwatch/heads_not_standard            heads in BETA or FP32_O, all layers
+      flashwatch/qk_clips_total                QK-clips applied so far (opt-in)
       flashwatch/<layer>/tied_rowmax_ratio_max     max over the layer's heads
       flashwatch/<layer>/attention_max_logit_max
       flashwatch/<layer>/delta_drift_z_max
       flashwatch/<layer>/delta_coherence_max
       flashwatch/<layer>/wq_spectral_norm_max
+      flashwatch/<layer>/delta_error_share_max
       flashwatch/<layer>/heads_not_standard
       flashwatch/<layer>/heads_flagged         heads the policy flags this step
       flashwatch/worst_<i>/<metric>            i = 1..top_k, heads by delta_drift_z
-                                               (largest first); metric in _HEAD_KEYS,
+                                               (largest first); metric in HEAD_KEYS,
       flashwatch/worst_<i>/layer_index         plus the head's position: layer index in
       flashwatch/worst_<i>/head                watch order, head index
       flashwatch/<layer>/head_<h>/<metric>     only with log_per_head=True: every metric
-      flashwatch/<layer>/head_<h>/head_mode    of _HEAD_KEYS and the mode (0, 1, 2)
-    With L watched layers that is 5 + 7·L + 9·top_k keys, per-head adds 8 per head.
+      flashwatch/<layer>/head_<h>/head_mode    of HEAD_KEYS and the mode (0, 1, 2)
+    With L watched layers that is 6 + 8·L + 9·top_k keys, per-head adds 8 per head.
     """
 
     def __init__(
         self, *,
         every_n_steps: int = 10,
-        rows_per_head: int = 64,
+        rows_per_head: int | str = 64,
         sketch_dim: int = 8,
         window: int = 64,
         seed: int = 0,
@@ -103,6 +102,12 @@ class FlashWatchCallback(pl.Callback):
         verify_steps: int = 32,
         power_iters: int = 4,
         power_max_iters: int = 100,
+        delta_share_threshold: float = 0.1,
+        delta_share_steps: int = 8,
+        beta_max_excess: float = 60.0,
+        growth_min_logit: float = 100.0,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
         sinks: Iterable | None = None,
         sites=None,
         log_per_head: bool = False,
@@ -121,25 +126,8 @@ class FlashWatchCallback(pl.Callback):
                             f"valid options: {valid}")
         args = locals()
         self.config = WatchConfig(**{f: args[f] for f in WatchConfig.__dataclass_fields__})
-        if not isinstance(log_per_head, bool):
-            raise TypeError(f"log_per_head must be a bool, got {log_per_head!r}")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise ValueError(f"top_k must be an int ≥ 0 (0 = no worst-head keys), got "
-                             f"{top_k!r}")
-        if prometheus_port is not None and (isinstance(prometheus_port, bool)
-                                            or not isinstance(prometheus_port, int)):
-            raise TypeError(f"prometheus_port must be an int or None, got {prometheus_port!r}")
-        self.sinks = list(sinks or [])
-        for s in self.sinks:
-            if not callable(getattr(s, "write", None)):
-                raise TypeError(f"sinks: {s!r} has no write(report) method; pass flashwatch "
-                                f"sinks such as flashwatch.sinks.JsonlSink(path)")
-        self.sites = sites
-        self.log_per_head, self.top_k = log_per_head, top_k
-        self.prometheus = None if prometheus_port is None else dict(
-            port=prometheus_port, addr=prometheus_addr, rank_zero_only=prometheus_rank_zero_only,
-            certfile=prometheus_certfile, keyfile=prometheus_keyfile)
-        self.watcher: flashwatch.Watcher | None = None
+        shared.set_options(self, "FlashWatchCallback", **{o: args[o] for o in shared.OPTIONS})
+        self.watcher: flashwatch.Watcher | None
         self._pending_state: dict | None = None  # loaded before setup, or left by teardown
         self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
         self._latest: StepReport | None = None  # newest report not yet logged
@@ -190,21 +178,9 @@ class FlashWatchCallback(pl.Callback):
                            f"no attention layer found ({e}). Pass sites=... to name its "
                            f"attention modules (see flashwatch.find_sites).")
             return
-        sinks = list(self.sinks)
-        if self.prometheus is not None:
-            from flashwatch.integrations.prometheus import PrometheusSink
-
-            # Raises on a taken port: better to stop before the first step than to train
-            # for days without the endpoint an operator expects.
-            sinks.append(PrometheusSink(**self.prometheus, local_rank=trainer.local_rank,
-                                        rank=trainer.global_rank))
-        try:
-            self.watcher = flashwatch.watch(pl_module, config=self.config, sinks=sinks,
-                                            sites=sites)
-        except Exception:
-            for s in sinks[len(self.sinks):]:  # free the Prometheus port
-                s.close()
-            raise
+        self.watcher = shared.open_watcher(pl_module, self.config, self.sinks, sites,
+                                           self.prometheus, local_rank=trainer.local_rank,
+                                           rank=trainer.global_rank)
         if not trainer.loggers:
             rank_zero_warn("FlashWatchCallback: the trainer has no logger, so flashwatch "
                            "keys are not logged through Lightning (sinks still receive "
@@ -248,33 +224,8 @@ class FlashWatchCallback(pl.Callback):
                           exc_info=e)
 
     def _metrics(self, report: StepReport) -> dict[str, float]:
-        """The logged keys of one report (see the class docstring); NaN values left out."""
-        w = self.watcher
-        m = {
-            "flashwatch/monitor_step": report.step,
-            "flashwatch/monitor_seconds": report.monitor_seconds,
-            "flashwatch/monitor_errors_total": w.monitor_errors_total,
-            "flashwatch/mitigations_total": sum(e.applied for e in w.events),
-            "flashwatch/heads_not_standard": sum(h.head_mode != Mode.STANDARD
-                                                 for h in report.heads),
-        }
-        layers = report.layer_summaries()  # NaN maxima are left out below
-        for layer, summary in layers.items():
-            for key in (*(f"{f}_max" for f in LAYER_MAX), "heads_not_standard",
-                        "heads_flagged"):
-                m[f"flashwatch/{layer}/{key}"] = summary[key]
-        index = {layer: i for i, layer in enumerate(layers)}
-        for i, h in enumerate(report.worst(self.top_k), start=1):
-            for field in _HEAD_KEYS:
-                m[f"flashwatch/worst_{i}/{field}"] = getattr(h, field)
-            m[f"flashwatch/worst_{i}/layer_index"] = index[h.layer]
-            m[f"flashwatch/worst_{i}/head"] = h.head
-        if self.log_per_head:
-            for h in report.heads:
-                for field in _HEAD_KEYS:
-                    m[f"flashwatch/{h.layer}/head_{h.head}/{field}"] = getattr(h, field)
-                m[f"flashwatch/{h.layer}/head_{h.head}/head_mode"] = int(h.head_mode)
-        return {k: float(v) for k, v in m.items() if not math.isnan(v)}
+        return shared.logged_metrics(report, self.watcher, top_k=self.top_k,
+                                     log_per_head=self.log_per_head)
 
     def _pause(self, paused: bool) -> None:
         if self.watcher is None:
@@ -289,7 +240,6 @@ class FlashWatchCallback(pl.Callback):
             return
         self._pause(False)
         # keep the final state: trainer.save_checkpoint() after fit() still saves it
-        self._pending_state = self.watcher.state_dict()
-        self.watcher.remove()
+        self._pending_state = shared.close_watcher(self.watcher, self.sinks)
         self.watcher = None
         self._latest = None

@@ -1,4 +1,4 @@
-"""`PrometheusSink`: serve the latest StepReport to Prometheus (DESIGN.md §7).
+"""`PrometheusSink`: serve the latest StepReport to Prometheus (docs/design.md §7).
 
     from flashwatch.integrations.prometheus import PrometheusSink
     watcher = flashwatch.watch(model, sinks=[PrometheusSink(port=9745)])
@@ -29,8 +29,8 @@ Design:
   per request (ThreadingHTTPServer) would be unbounded and cost 0.35 ms of CPU each.
 - Per-head series come from global rank 0 only (by default): after the watcher's
   cross-rank reduction every rank holds the same per-head numbers, and serving them from
-  every rank would multiply the series by the world size (5,120 heads × 10 series ×
-  1,024 ranks ≈ 52M series). Other ranks serve what is theirs: flashwatch_monitor_step,
+  every rank would multiply the series by the world size (5,120 heads × 13 series ×
+  1,024 ranks ≈ 68M series). Other ranks serve what is theirs: flashwatch_monitor_step,
   flashwatch_monitor_seconds and flashwatch_monitor_errors_total.
 - One fresh CollectorRegistry per sink (`sink.registry`, holding only this collector):
   two sinks in one process (tests, two models) never clash, and the default registry's
@@ -76,8 +76,12 @@ HEAD_GAUGES = (
     ("tied_rowmax_ratio", "Fraction of attention rows whose max score is tied within eps "
                           "(all rows when flashwatch's kernel runs, sampled rows otherwise)."),
     ("attention_max_logit", "Largest scaled attention score (softmax scale applied)."),
-    ("delta_error_sum", "Sum over sampled rows of the backward delta error c[T] = "
-                        "rowsum(dO*O_used) - rowsum(dO*O_fp32), latest monitored step."),
+    ("delta_error_sum", "Sum over the rows (every row when flashwatch's kernel ran, else "
+                        "sampled rows) of the backward delta error c[T] = rowsum(dO*O_used) "
+                        "- rowsum(dO*O_fp32), latest monitored step."),
+    ("delta_error_share", "Estimated share of the head's W^Q gradient that is delta rounding "
+                          "error, ||E||_F / ||dW^Q||_F (Eq. 3, this layer's term), latest "
+                          "monitored step; healthy << 0.05."),
     ("delta_drift_z", "Drift z of the delta error projected on its running direction, over "
                       "the window: about N(0,1) when zero-mean, grows with persistence."),
     ("delta_coherence", "Coherence of the W^Q gradient-error sketches over the window, "
@@ -90,6 +94,10 @@ MODE_HELP = ("Attention mode applied to the head: "
              + ", ".join(f"{m.value}={m.name}" for m in Mode) + ".")
 MITIGATIONS_HELP = ("Mode switches applied (by the policy or by hand), by the mode switched "
                     "to (counted by this exporter since it started).")
+GUARDED_HELP = ("BETA rows whose shift hit the underflow guard (logits in the thousands), "
+                "summed over monitored steps (counted by this exporter since it started).")
+QK_CLIP_HELP = ("QK-clips applied to the head's W^Q and W^K (opt-in qk_clip_threshold, "
+                "mitigation auto; counted by this exporter since it started).")
 # Rank-local series (served by every rank): (name, type, HELP text).
 MONITOR_SERIES = (
     ("flashwatch_monitor_step", "gauge", "Optimizer step of the latest monitored step."),
@@ -103,9 +111,11 @@ METRIC_NAMES = (
     *(f"flashwatch_{field}" for field, _ in HEAD_GAUGES),
     "flashwatch_head_mode",
     "flashwatch_mitigations_total",
+    "flashwatch_guarded_rows_total",
     "flashwatch_monitor_step",
     "flashwatch_monitor_seconds",
     "flashwatch_monitor_errors_total",
+    "flashwatch_qk_clip_total",
 )
 
 
@@ -164,6 +174,8 @@ class PrometheusSink:
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
         self._mitigations: Counter = Counter()  # (layer, head, mode) -> applied events
+        self._clips: Counter = Counter()  # (layer, head) -> applied QK-clips
+        self._guarded: Counter = Counter()  # (layer, head) -> BETA rows that hit the guard
         self._page: tuple | None = None  # (snapshot, page text, gzipped page text)
         self._render_lock = threading.Lock()  # one thread renders a new page, others wait
         self.registry = CollectorRegistry()
@@ -183,17 +195,26 @@ class PrometheusSink:
         """Swap in a snapshot of `report` (called from the training thread)."""
         heads = tuple((h.layer, str(h.head), tuple(float(getattr(h, f)) for f, _ in HEAD_GAUGES),
                        int(h.head_mode)) for h in report.heads) if self.serves_heads else ()
+        for h in report.heads if self.serves_heads else ():  # from 0 per head, like mitigations
+            self._guarded[(h.layer, str(h.head))] += int(h.guarded_rows)
         for e in report.events:
-            if e.applied and self.serves_heads:
+            if not (e.applied and self.serves_heads):
+                continue
+            if e.kind == "qk_clip":
+                self._clips[(e.layer, str(e.head))] += 1
+            else:
                 self._mitigations[(e.layer, str(e.head), Mode(e.to_mode).name)] += 1
         # Zero-initialise a counter per head and mitigating mode so that rate()/increase()
         # see the first switch (a series born at 1 hides it); STANDARD only if it happens.
         for layer, head, _, _ in heads:
             for mode in ("BETA", "FP32_O"):
                 self._mitigations.setdefault((layer, head, mode), 0)
+            self._clips.setdefault((layer, head), 0)
         snap = _Snapshot(step=int(report.step), seconds=float(report.monitor_seconds),
                          errors=int(report.monitor_errors_total), heads=heads,
-                         mitigations=tuple(sorted(self._mitigations.items())))
+                         mitigations=tuple(sorted(self._mitigations.items())),
+                         clips=tuple(sorted(self._clips.items())),
+                         guarded=tuple(sorted(self._guarded.items())))
         with self._lock:
             self._snapshot = snap
 
@@ -303,11 +324,17 @@ def _series(snap: _Snapshot | None):
                 ("head", "layer", "mode"),
                 [] if snap is None else [((head, layer, mode), n) for (layer, head, mode), n
                                          in snap.mitigations]))
+    out.append(("flashwatch_guarded_rows_total", "counter", GUARDED_HELP, ("head", "layer"),
+                [] if snap is None else [((head, layer), n) for (layer, head), n
+                                         in snap.guarded]))
     for name, kind, doc in MONITOR_SERIES:
         value = None if snap is None else dict(
             flashwatch_monitor_step=snap.step, flashwatch_monitor_seconds=snap.seconds,
             flashwatch_monitor_errors_total=snap.errors)[name]
         out.append((name, kind, doc, (), [] if value is None else [((), value)]))
+    out.append(("flashwatch_qk_clip_total", "counter", QK_CLIP_HELP, ("head", "layer"),
+                [] if snap is None else [((head, layer), n) for (layer, head), n
+                                         in snap.clips]))
     return out
 
 
@@ -356,6 +383,8 @@ class _Snapshot(NamedTuple):
     errors: int
     heads: tuple  # ((layer, head as str, (gauge values in HEAD_GAUGES order), mode), ...)
     mitigations: tuple  # (((layer, head, mode), count), ...)
+    guarded: tuple  # (((layer, head), guarded rows so far), ...)
+    clips: tuple = ()  # (((layer, head), applied QK-clips), ...)
 
 
 class _Collector(Collector):

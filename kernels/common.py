@@ -1,7 +1,7 @@
 """Types and input checks shared by every attention backend (reference and Triton).
 
 Only torch is imported here: `flashwatch.kernels` must stay usable without the rest of
-flashwatch (DESIGN.md §2).
+flashwatch (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 ARITHMETICS = ("fused", "paper")
 
-# BETA underflow guard (DESIGN.md §4). The shift may exceed the row max r_m by at most
+# BETA underflow guard (docs/design.md §4). The shift may exceed the row max r_m by at most
 # GUARD_NATS; exp(-60) = 8.8e-27 keeps P̄ at the max 12 orders of magnitude above the
 # FP32/BF16 normal minimum (1.2e-38 = exp(-87.3)). FP16 has a 5-bit exponent (smallest
 # normal 6.1e-5 = exp(-9.7)), so its guard is 4 nats. Guarded rows get a shift that still

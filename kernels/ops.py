@@ -1,19 +1,22 @@
 """The attention op registered with torch.library, so torch.compile sees one opaque op.
 
     torch.ops.flashwatch.attention_fwd(q, k, v, modes, causal, scale, beta, eps,
-                                       want_stats, backend)
+                                       want_stats, backend, keep_o32=False)
         -> (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H])
     torch.ops.flashwatch.attention_bwd(do, q, k, v, o, o32, lse, modes, causal, scale,
                                        backend) -> (dq, dk, dv)
 
 `backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
-TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper" (the
-reference in the paper implementation's BF16 arithmetic, for research); the caller
+TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper"
+(kernels/paper.py: the paper implementation's BF16 arithmetic, for research); the caller
 resolves "auto" (CUDA → Triton, CPU → reference) before calling, so one registered
 implementation serves every device. `modes` is an int tensor [H] of Mode values, read
 on the host (it normally lives on the CPU; see `flashwatch.attention`).
 
-o32 is the FP32 copy of O for the FP32_O heads, laid out [H32, B, Nq, D] in head order.
+o32 is the FP32 copy of O for the FP32_O heads, laid out [H32, B, Nq, D] in head order;
+with keep_o32 (the watcher's monitored calls) it holds every head (H32 = H), so the
+watcher gets c[T] on every row from the residual O - O_fp32 (docs/design.md §5); the backward
+then picks the FP32_O heads out of it. The "paper" arithmetic ignores keep_o32.
 H32 depends on the values in `modes`, so the fake implementation gives it an unbacked
 size: tracing does not specialise on the modes and changing them recompiles nothing.
 
@@ -24,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
-from .common import normalize_head_modes
+from . import paper, reference
+from .common import Mode, normalize_head_modes
 
 OP_BACKENDS = ("reference", "triton", "paper")
 
@@ -44,8 +47,9 @@ def _host_modes(modes: torch.Tensor, num_heads: int) -> torch.Tensor:
 @torch.library.custom_op("flashwatch::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor,
                   causal: bool, scale: float, beta: float, eps: float, want_stats: bool,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                         torch.Tensor, torch.Tensor, torch.Tensor]:
+                  backend: str, keep_o32: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                             torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     B, H, Nq, D = q.shape
     modes = _host_modes(modes, H)
@@ -53,10 +57,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
         from . import triton_attention
 
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
-                                        beta=beta, eps=eps, want_stats=want_stats)
+                                        beta=beta, eps=eps, want_stats=want_stats,
+                                        keep_o32=keep_o32)
     arithmetic = "paper" if backend == "paper" else "fused"
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
-                            eps=eps, want_ties=want_stats, arithmetic=arithmetic)
+                            eps=eps, want_ties=want_stats, arithmetic=arithmetic,
+                            keep_o32=keep_o32)
     if res.o32 is None:
         o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
     else:
@@ -65,7 +71,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, backend):
+def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, backend,
+                        keep_o32=False):
     B, H, Nq, D = q.shape
     n32 = torch.library.get_ctx().new_dynamic_size()
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -83,15 +90,20 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
+    if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
+        o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     if backend == "triton":
         from . import triton_attention
 
         return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                          scale=scale)
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
-    block_n = reference.PAPER_BLOCK_N if backend == "paper" else reference.BLOCK_N
+    if backend == "paper":
+        dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32_bh, causal=causal,
+                                       scale=scale, modes=modes)
+        return dq, dk, dv
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
-                                       scale=scale, modes=modes, block_n=block_n)
+                                       scale=scale, modes=modes)
     return dq, dk, dv
 
 
@@ -103,7 +115,7 @@ def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend = inputs
+    q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend, _keep = inputs
     o, lse, o32, _tied, _guarded, max_logit = output
     # Side outputs carry no gradient; without this, copying max_logit into an
     # AttentionStats would pull the stats tensor into the autograd graph.
@@ -117,7 +129,7 @@ def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
     q, k, v, o, lse, o32, modes = ctx.saved_tensors
     dq, dk, dv = attention_bwd(do.contiguous(), q, k, v, o, o32, lse, modes, ctx.causal,
                                ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

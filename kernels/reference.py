@@ -1,16 +1,14 @@
 """Reference attention in pure PyTorch: the CPU backend and the oracle for every test.
 
-Semantics (DESIGN.md §4), `arithmetic="fused"` (what a FlashAttention-2 kernel does):
+Semantics (docs/design.md §4), `arithmetic="fused"` (what a FlashAttention-2 kernel does):
   S = scale·QKᵀ in FP32, keys in blocks of BLOCK_N, online row max and row sum in FP32,
   P̄ = exp(S - shift) cast to the input dtype before P̄V, FP32 accumulator, O = acc/l
   stored in the input dtype, LSE saved. Backward recomputes P from LSE and uses
   δ = rowsum(dO ∘ O) in FP32; P and dS are cast to the input dtype before their
   matmuls, as a fused backward kernel does.
 
-`arithmetic="paper"` is the arithmetic of the paper's public implementation (a PyTorch
-FlashAttention-2 with 512-key blocks): scores, P̄, every block product P̄V, the running
-sum l and the accumulator are all held in the input dtype (BF16), and BETA's tie check
-looks at each block alone. Research only: it is slower and less accurate on purpose.
+`arithmetic="paper"` runs kernels/paper.py (the arithmetic of the paper's public
+implementation, forward and backward); this module only forwards to it.
 
 Per-head modes (kernels.common.Mode):
   STANDARD  shift = running row max.
@@ -40,7 +38,6 @@ from .common import (
 )
 
 BLOCK_N = 128  # keys per block in the fused arithmetic (a typical Triton BLOCK_N)
-PAPER_BLOCK_N = 512  # keys per block in the paper's implementation
 # Queries per chunk. Chunking only bounds memory (a [B, H, BLOCK_M, BLOCK_N] FP32 score
 # tile); each query row is computed independently, so results do not depend on it.
 BLOCK_M = 1024
@@ -116,7 +113,7 @@ def _finalize(acc, l, shift):
 
 
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                   block_n=BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
+                   block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False) -> ForwardResult:
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -125,6 +122,8 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
     track = want_ties or any_beta
     guard = GUARD_NATS[dt]
     fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
+    if keep_o32:  # every head's FP32 O (the watcher's residual for c[T] on every row)
+        fp32_idx = list(range(H))
 
     o = torch.empty_like(q)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
@@ -189,89 +188,22 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                          pbar_max, o_unnorm)
 
 
-def _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                   block_n=PAPER_BLOCK_N, block_m=BLOCK_M) -> ForwardResult:
-    """The paper implementation's arithmetic: everything held in the input dtype."""
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dt, dev = q.dtype, q.device
-    beta_h = _head_mask(modes, Mode.BETA, dev)
-    any_beta = bool((modes == int(Mode.BETA)).any())
-
-    o = torch.empty_like(q)
-    lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
-    tied_rows = torch.zeros(H, dtype=torch.int64, device=dev)
-    max_logit = torch.full((H,), -math.inf, dtype=torch.float32, device=dev)
-    pbar_max = torch.empty(B, H, Nq, dtype=torch.float32, device=dev) if debug else None
-    o_unnorm = torch.empty(B, H, Nq, D, dtype=dt, device=dev) if debug else None
-
-    for q0 in range(0, Nq, block_m):
-        q1 = min(q0 + block_m, Nq)
-        qc = q[:, :, q0:q1]
-        shape = (B, H, q1 - q0)
-        m = torch.full(shape, -math.inf, dtype=dt, device=dev)
-        shift = torch.full(shape, -math.inf, dtype=dt, device=dev)
-        cnt = torch.zeros(shape, dtype=torch.int64, device=dev)
-        l = torch.zeros(shape, dtype=dt, device=dev)
-        acc = torch.zeros(*shape, D, dtype=dt, device=dev)
-        pmax = torch.zeros(shape, device=dev) if debug else None
-        k_end = min(Nk, q1) if causal else Nk
-        for k0 in range(0, k_end, block_n):
-            k1 = min(k0 + block_n, k_end)
-            s = torch.matmul(qc, k[:, :, k0:k1].transpose(-1, -2)) * scale  # rounded twice
-            if causal and k1 - 1 > q0:
-                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))
-            s32, m32 = s.float(), m_new.float()
-            cnt = _update_ties(m.float(), cnt, s32, m32, eps)  # row-wide, for the counters
-            shift_new = m_new
-            if any_beta:
-                # The paper's check: the max occurs ≥ 2 times within eps in this block.
-                thr = (m32 - eps).unsqueeze(-1)
-                blk_tied = ((s32 >= thr) & (s32 != -math.inf)).sum(-1) >= 2
-                target = torch.where(m_new > 0, m_new * beta, torch.zeros_like(m_new))
-                shift_new = torch.where(beta_h & blk_tied, target, m_new)
-            safe = torch.where(shift_new == -math.inf, torch.zeros_like(shift_new), shift_new)
-            alpha = torch.exp(shift - safe)
-            p = torch.exp(s - safe.unsqueeze(-1))
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p, v[:, :, k0:k1])
-            if debug:
-                pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1))
-            m, shift = m_new, shift_new
-        oc, lse[:, :, q0:q1] = _finalize(acc, l, shift)
-        o[:, :, q0:q1] = oc
-        if debug:
-            pbar_max[:, :, q0:q1] = pmax
-            o_unnorm[:, :, q0:q1] = acc
-        tied_rows += (cnt >= 2).sum((0, 2))
-        max_logit = torch.maximum(max_logit, m.float().amax((0, 2)))
-
-    # FP32_O heads: the paper's diagnosis computes O for these heads in FP32; their O is
-    # that result rounded once, and δ uses the FP32 copy.
-    o32 = None
-    fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
-    if fp32_idx:
-        std = torch.zeros(len(fp32_idx), dtype=torch.int32)
-        hp = _forward_fused(q[:, fp32_idx].float(), k[:, fp32_idx].float(),
-                            v[:, fp32_idx].float(), causal, scale, std, beta, eps, False, False)
-        o32 = hp.o
-        o[:, fp32_idx] = o32.to(dt)
-        lse[:, fp32_idx] = hp.lse
-    guarded_rows = torch.zeros(H, dtype=torch.int64, device=dev)  # the paper has no guard
-    return ForwardResult(o, lse, o32, tied_rows, guarded_rows, max_logit, B * Nq,
-                         pbar_max, o_unnorm)
-
-
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
-            want_ties=True, debug=False, block_n=None) -> ForwardResult:
-    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values."""
+            want_ties=True, debug=False, block_n=None, keep_o32=False) -> ForwardResult:
+    """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
+    keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'."""
     with no_autocast(q.device):
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                                  block_n=block_n or BLOCK_N)
-        return _forward_paper(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                              block_n=block_n or PAPER_BLOCK_N)
+                                  block_n=block_n or BLOCK_N, keep_o32=keep_o32)
+    from . import paper  # the paper's arithmetic lives in its own module
+
+    res = paper.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
+                        want_ties=want_ties, debug=debug, keep_o32=keep_o32)
+    H = q.shape[1]
+    return ForwardResult(res.o, res.lse.float(), res.o32, res.tied_rows,
+                         torch.zeros(H, dtype=torch.int64, device=q.device), res.max_logit,
+                         res.rows, res.pbar_max, res.o_unnormalized)
 
 
 def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, block_n=BLOCK_N,
@@ -329,15 +261,20 @@ class ReferenceAttention(torch.autograd.Function):
         if stats is not None:
             stats.add_(res.tied_rows, res.rows, res.guarded_rows, res.max_logit)
         ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
-        ctx.causal, ctx.scale, ctx.modes = causal, scale, modes
-        ctx.block_n = BLOCK_N if arithmetic == "fused" else PAPER_BLOCK_N
+        ctx.causal, ctx.scale, ctx.modes, ctx.arithmetic = causal, scale, modes, arithmetic
         return res.o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
+        if ctx.arithmetic == "paper":
+            from . import paper
+
+            dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32, causal=ctx.causal,
+                                           scale=ctx.scale, modes=ctx.modes)
+            return dq, dk, dv, None, None, None, None, None, None, None
         dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
-                                 modes=ctx.modes, block_n=ctx.block_n)
+                                 modes=ctx.modes)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 

@@ -1,4 +1,4 @@
-"""FlashAttention-2 in Triton with per-head modes and inline counters (DESIGN.md §4).
+"""FlashAttention-2 in Triton with per-head modes and inline counters (docs/design.md §4).
 
 Layout of this file, in the order of the Triton fused-attention tutorial:
   1. small @triton.jit helpers (dtype rounding for the interpreter, dots, BETA shift, ties)
@@ -585,18 +585,22 @@ def check_usable(q: torch.Tensor) -> None:
 _heads_cache: dict = {}
 
 
-def head_table(modes: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+def head_table(modes: torch.Tensor, device: torch.device,
+               all_slots: bool = False) -> tuple[torch.Tensor, int]:
     """int32 [2H] on `device`: modes, then each head's slot in the FP32 O buffer (or -1).
+    all_slots: every head gets a slot (the forward then stores every head's FP32 O; the
+    slot only decides where O32 is written and read, never the arithmetic).
 
     Cached by value, so steady-state calls copy nothing to the device.
     """
-    key = (str(device), tuple(int(m) for m in modes.tolist()))
+    key = (str(device), tuple(int(m) for m in modes.tolist()), all_slots)
     hit = _heads_cache.get(key)
     if hit is None:
         slots, n32 = [], 0
         for m in key[1]:
-            slots.append(n32 if m == int(Mode.FP32_O) else -1)
-            n32 += m == int(Mode.FP32_O)
+            keep = all_slots or m == int(Mode.FP32_O)
+            slots.append(n32 if keep else -1)
+            n32 += keep
         table = torch.tensor(list(key[1]) + slots, dtype=torch.int32, device=device)
         if len(_heads_cache) > 256:
             _heads_cache.clear()
@@ -609,10 +613,11 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: float,
-            want_stats: bool):
+            want_stats: bool, keep_o32: bool = False):
     """Returns (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H]).
 
-    o32 is [H32, B, Nq, D] fp32 for the FP32_O heads in head order (H32 may be 0).
+    o32 is [H32, B, Nq, D] fp32 for the FP32_O heads in head order (H32 may be 0), or
+    for every head with keep_o32.
     Counters are zeros / -inf when want_stats is False.
     """
     check_usable(q)
@@ -620,7 +625,7 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dev = q.device
-    heads, n32 = head_table(modes, dev)
+    heads, n32 = head_table(modes, dev, all_slots=keep_o32)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
     o32 = torch.empty(n32, B, Nq, D, dtype=torch.float32, device=dev)

@@ -1,12 +1,14 @@
 """Paper-arithmetic attention whose backward can take δ from an FP32 O: the paper's
 diagnosis, with the forward left exactly as it was.
 
-`Fp32DeltaAttention` runs the forward in the paper arithmetic (the same
-`reference.forward` as backend="paper") and, when `fp32_delta` is set at backward time,
-uses δ = rowsum(dO ∘ O_fp32) with O_fp32 a fused FP32 recomputation; otherwise the
-backward is exactly backend="paper"'s. `RouteSDPA` sends the model's causal
-F.scaled_dot_product_attention calls to it. Used by reproduction.run (arm "fp32_delta")
-and reproduction.grad_error.
+`Fp32DeltaAttention` runs backend="paper"'s forward with every head in Mode.FP32_O, whose
+BF16 O and LSE are bit-identical to STANDARD's and which also keeps the forward's
+accumulation in FP32 (kernels/paper.py). When `fp32_delta` is set at backward time the
+backward is the paper backend's FP32_O one (δ = rowsum(dO ∘ O_fp32), dS formed in FP32
+and rounded once); otherwise it is exactly backend="paper"'s STANDARD backward.
+`RouteSDPA` sends the model's causal F.scaled_dot_product_attention calls to it. Used by
+reproduction.run (arm "fp32_delta") and reproduction.grad_error. It is not simply
+`head_modes=FP32_O`: the two arms switch only δ at backward time, on one forward.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from flashwatch.kernels import reference
+from flashwatch.kernels import paper
 from flashwatch.kernels.common import Mode
 
 
@@ -29,28 +31,22 @@ class Fp32DeltaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v):
         H, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
-        std = torch.zeros(H, dtype=torch.int32)
-        res = reference.forward(q, k, v, causal=True, scale=scale, modes=std, beta=2.0,
-                                eps=1e-3, arithmetic="paper")
-        hp = reference.forward(q.float(), k.float(), v.float(), causal=True, scale=scale,
-                               modes=std, beta=2.0, eps=1e-3, want_ties=False)
+        fp32_o = torch.full((H,), int(Mode.FP32_O), dtype=torch.int32)
+        res = paper.forward(q, k, v, causal=True, scale=scale, modes=fp32_o, beta=2.0,
+                            eps=1e-3)
         if Fp32DeltaAttention.record_ties:
             Fp32DeltaAttention.tied.append(res.tied_rows.double() / res.rows)
-        ctx.save_for_backward(q, k, v, res.o, res.lse, hp.o)
+        ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
         ctx.scale = scale
         return res.o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
-        H = q.shape[1]
-        if Fp32DeltaAttention.fp32_delta:
-            modes, o32_arg = torch.full((H,), int(Mode.FP32_O), dtype=torch.int32), o32
-        else:
-            modes, o32_arg = torch.zeros(H, dtype=torch.int32), None
-        dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_arg, lse, causal=True,
-                                           scale=ctx.scale, modes=modes,
-                                           block_n=reference.PAPER_BLOCK_N)
+        mode = Mode.FP32_O if Fp32DeltaAttention.fp32_delta else Mode.STANDARD
+        modes = torch.full((q.shape[1],), int(mode), dtype=torch.int32)
+        dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32 if mode == Mode.FP32_O else None,
+                                       causal=True, scale=ctx.scale, modes=modes)
         return dq, dk, dv
 
 

@@ -35,6 +35,31 @@ from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 from reproduction.run import get_batch, make_data, settings_for
 
 
+def wq_grad_pair(model: GPT, x, y) -> tuple[torch.Tensor, torch.Tensor]:
+    """dW^Q per layer and head [L, H, D, C] (float64) with BF16 δ and with FP32 δ, from
+    one forward in the paper arithmetic and two backwards; leaves the grads zeroed."""
+    C, H = model.config.n_embd, model.config.n_head
+    D = C // H
+    layers = [blk.attn for blk in model.transformer.h]
+
+    def wq_grads():
+        return torch.stack([a.c_attn.weight.grad[:C].view(H, D, C).double() for a in layers])
+
+    model.zero_grad(set_to_none=True)
+    with RouteSDPA(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+    Fp32DeltaAttention.fp32_delta = False
+    loss.backward(retain_graph=True)
+    g_lp = wq_grads()
+    model.zero_grad(set_to_none=True)
+    Fp32DeltaAttention.fp32_delta = True
+    loss.backward()
+    Fp32DeltaAttention.fp32_delta = False
+    g_hp = wq_grads()
+    model.zero_grad(set_to_none=True)
+    return g_lp, g_hp
+
+
 def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) -> list[dict]:
     C, H = model.config.n_embd, model.config.n_head
     D = C // H
@@ -42,23 +67,11 @@ def measure(model: GPT, data: torch.Tensor, s: dict, batches: int, seed: int) ->
     gen = torch.Generator().manual_seed(seed + 12345)  # batches unlike training's
     g_hp_all, g_lp_all = [], []  # per batch: [L, H, D, C]
     Fp32DeltaAttention.tied, Fp32DeltaAttention.record_ties = [], True
-
-    def wq_grads():
-        return torch.stack([a.c_attn.weight.grad[:C].view(H, D, C).clone() for a in layers])
-
     for _ in range(batches):
         x, y = get_batch(data, s, gen)
-        model.zero_grad(set_to_none=True)
-        with RouteSDPA(), torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        Fp32DeltaAttention.fp32_delta = False
-        loss.backward(retain_graph=True)
-        g_lp = wq_grads()
-        model.zero_grad(set_to_none=True)
-        Fp32DeltaAttention.fp32_delta = True
-        loss.backward()
-        g_lp_all.append(g_lp.double())
-        g_hp_all.append(wq_grads().double())
+        g_lp, g_hp = wq_grad_pair(model, x, y)
+        g_lp_all.append(g_lp)
+        g_hp_all.append(g_hp)
     G, Glp = torch.stack(g_hp_all), torch.stack(g_lp_all)  # [T, L, H, D, C]
     Dl = G - Glp
     Fp32DeltaAttention.fp32_delta = Fp32DeltaAttention.record_ties = False

@@ -10,7 +10,7 @@ document names the command that reruns it. Arms:
   fp32_o       every head FP32_O from step 0 (δ from O kept in FP32)
   beta         every head BETA from step 0 (the paper's fix)
   fp32_delta   the paper's diagnosis: the same forward as unmitigated, but the backward
-               takes δ from an FP32 recomputation of O (reproduction/fp32_delta.py);
+               takes δ from the FP32 accumulation of O (reproduction/fp32_delta.py);
                paper backend only. The watcher measures SDPA's output here, so its δ
                metrics describe the forward's O, not the δ training used.
 Attention runs through the watcher with route_all=True on the configuration's backend
@@ -84,6 +84,10 @@ CONFIGS = {
     # Same, fused arithmetic: does the kernel's arithmetic matter for its spikes?
     "nope-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
                                       backend="reference"),
+    # The paper's models have position embeddings: the same hot setting with them.
+    "pe-grammar-hotter": dict(lr=3e-2, weight_decay=0.0, clip=1e9, position_embedding=True),
+    "pe-grammar-hotter-fused": dict(lr=3e-2, weight_decay=0.0, clip=1e9,
+                                    position_embedding=True, backend="reference"),
 }
 
 SPIKE_NATS = 1.0  # a spike: the loss EMA rises this far above its best value so far

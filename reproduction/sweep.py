@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--root", type=Path, default=Path("runs/repro"))
     p.add_argument("--steps", type=int)
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also save each run's weights every N steps (for grad_error)")
     a = p.parse_args(argv)
     todo = [(c, arm, s) for c in a.configs for s in a.seeds for arm in a.arms]
     running: list[tuple[subprocess.Popen, str]] = []
@@ -42,6 +44,8 @@ def main(argv=None) -> int:
                    "--seed", str(s), "--out", str(out)]
             if a.steps:
                 cmd += ["--steps", str(a.steps)]
+            if a.save_every:
+                cmd += ["--save-every", str(a.save_every)]
             log = open(out / "run.log", "w")  # noqa: SIM115  (closed with the process)
             running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT),
                             str(out)))

@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 
+import pytest
 import torch
 import yaml
 
@@ -17,7 +18,18 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
-INSTALL = "apt-get install -y --no-install-recommends prometheus (.ci/run does)"
+# The Makefile's `prometheus` target prints the same hint when it cannot install them.
+PROMETHEUS_HINT = ("prometheus and promtool are missing; the Prometheus tests need them. Install "
+                   "Debian's package as root: sudo apt-get install -y --no-install-recommends "
+                   "prometheus (or run sudo make prometheus)")
+
+
+def prometheus_tool(name: str) -> str:
+    """The path of `prometheus` or `promtool`; fails the test with the install hint."""
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"`{name}` not found on PATH: {PROMETHEUS_HINT}", pytrace=False)
+    return path
 
 
 def free_port() -> int:
@@ -52,8 +64,7 @@ def prometheus_server(tmp_path, target_port: int, *, job: str = "flashwatch",
                       rule_files=()):
     """Run Debian's prometheus on a free loopback port, scraping 127.0.0.1:target_port
     every second; yields (web address "127.0.0.1:port", process). Stopped by PID."""
-    binary = shutil.which("prometheus")
-    assert binary, f"the prometheus binary is missing; install Debian's package: {INSTALL}"
+    binary = prometheus_tool("prometheus")
     web = f"127.0.0.1:{free_port()}"
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump({
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s",

@@ -1,4 +1,4 @@
-"""Oracles shared by the attention tests (DESIGN.md §8).
+"""Oracles shared by the attention tests (docs/design.md §8).
 
 ref  = FP64 math attention (the truth).
 pt   = plain PyTorch math attention in the inputs' own low dtype (the yardstick).

@@ -18,7 +18,8 @@ def test_defaults_are_valid_and_frozen():
 
 @pytest.mark.parametrize("field,value,exc", [
     ("every_n_steps", 0, ValueError), ("every_n_steps", 2.5, TypeError),
-    ("rows_per_head", 0, ValueError), ("sketch_dim", True, TypeError),
+    ("rows_per_head", 0, ValueError), ("rows_per_head", "All", ValueError),
+    ("rows_per_head", 64.0, TypeError), ("sketch_dim", True, TypeError),
     ("window", 1, ValueError), ("seed", -1, ValueError), ("eps", 0.0, ValueError),
     ("beta", 1.0, ValueError), ("beta", float("nan"), ValueError),
     ("mitigation", "on", ValueError), ("backend", "cuda", ValueError),
@@ -26,10 +27,18 @@ def test_defaults_are_valid_and_frozen():
     ("drift_z_threshold", "4", TypeError), ("patience", 0, ValueError),
     ("route_all", 1, TypeError), ("power_max_iters", 3, ValueError),
     ("power_max_iters", 0, ValueError),
+    ("delta_share_threshold", 0.0, ValueError), ("delta_share_steps", 0, ValueError),
+    ("beta_max_excess", -1.0, ValueError), ("growth_min_logit", float("inf"), ValueError),
+    ("qk_clip_threshold", -5.0, ValueError), ("qk_clip_threshold", "100", TypeError),
+    ("qk_clip_alpha", -0.1, ValueError), ("qk_clip_alpha", float("nan"), ValueError),
 ])
 def test_invalid_values_name_the_field(field, value, exc):
     with pytest.raises(exc, match=field):
         WatchConfig(**{field: value})
+
+
+def test_rows_per_head_all_is_valid():
+    assert WatchConfig(rows_per_head="all").rows_per_head == "all"
 
 
 def test_from_kwargs_names_unknown_options():

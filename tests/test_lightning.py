@@ -25,6 +25,7 @@ from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
 from flashwatch import dispatch as fw_dispatch
 from flashwatch.integrations.lightning import FlashWatchCallback
+from flashwatch.integrations.prometheus import PrometheusSink
 from standins import TiedAttention, leaning_dispatch
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
@@ -130,11 +131,11 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
     keys = {k for r in rows for k, v in r.items() if k.startswith("flashwatch/") and v != ""}
     want = {"flashwatch/monitor_step", "flashwatch/monitor_seconds",
             "flashwatch/monitor_errors_total", "flashwatch/mitigations_total",
-            "flashwatch/heads_not_standard"}
+            "flashwatch/heads_not_standard", "flashwatch/qk_clips_total"}
     for layer in LAYERS:
         want |= {f"flashwatch/{layer}/{m}_max" for m in (
             "tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
-            "wq_spectral_norm")}
+            "wq_spectral_norm", "delta_error_share")}
         want |= {f"flashwatch/{layer}/heads_not_standard", f"flashwatch/{layer}/heads_flagged"}
         for h in range(4):
             want |= {f"flashwatch/{layer}/head_{h}/{m}" for m in (
@@ -147,8 +148,8 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
             "r_projection_cumulative", "delta_drift_z", "delta_coherence",
             "wq_spectral_norm", "layer_index", "head")}
     assert keys == want
-    # the docstring's count: 5 + 7·L + 9·top_k, + 8 per head
-    assert len(want) == 5 + 7 * 2 + 9 * 3 + 8 * 8
+    # the docstring's count: 6 + 8·L + 9·top_k, + 8 per head
+    assert len(want) == 6 + 8 * 2 + 9 * 3 + 8 * 8
     doc = FlashWatchCallback.__doc__
     for key in want:  # every key family is documented
         generic = re.sub(r"model\.transformer\.h\.\d\.attn", "<layer>", key)
@@ -162,6 +163,20 @@ def test_trainer_logs_bounded_finite_keys_to_csv(tmp_path):
     logged = [r for r in rows if r.get("flashwatch/monitor_step", "") != ""]
     assert [float(r["flashwatch/monitor_step"]) for r in logged] == [0, 1, 2, 3]
     assert all(r["loss"] != "" for r in logged)
+
+
+def test_a_sink_the_user_passed_stays_open_and_serves_a_second_fit(tmp_path):
+    sink = PrometheusSink(port=0)  # the user's: the callback never closes it
+    cb = FlashWatchCallback(every_n_steps=1, sinks=[sink])
+    try:
+        steps = 0
+        for n in (2, 3):  # the watcher's state carries over to the second fit()
+            _trainer(tmp_path, [cb], max_steps=n).fit(LitGPT(), _data(n))
+            steps += n
+            body = urllib.request.urlopen(sink.url, timeout=5).read().decode()
+            assert f"flashwatch_monitor_step {steps - 1}.0" in body
+    finally:
+        sink.close()
 
 
 def test_unwatchable_module_warns_once_and_trains(tmp_path):

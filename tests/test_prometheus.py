@@ -348,3 +348,24 @@ def _complete(found) -> bool:
         return False
     return all({(s["metric"]["layer"], s["metric"]["head"]) for s in found[n]} == HEADS
                for n in PER_HEAD)
+
+
+def test_qk_clips_are_counted_apart_from_mode_switches():
+    sink = PrometheusSink(start_server=False)
+    t = TinyTrainer([sink])
+    try:
+        report = t.step()
+        clip = dict(step=report.step, layer="transformer.h.0.attn", head=1,
+                    from_mode=Mode.STANDARD, to_mode=Mode.STANDARD, reason="qk_clip: test",
+                    kind="qk_clip")
+        for applied in (True, True, False):  # advice (applied=False) is not counted
+            sink.write(StepReport(step=report.step, heads=report.heads,
+                                  events=[Event(applied=applied, **clip)]))
+        samples = _samples({f.name: f for f in sink.registry.collect()})
+    finally:
+        t.watcher.remove()
+    clips = {(s.labels["layer"], s.labels["head"]): s.value
+             for s in samples["flashwatch_qk_clip_total"]}
+    assert clips[("transformer.h.0.attn", "1")] == 2
+    assert sum(clips.values()) == 2 and set(clips) == HEADS  # zero-initialised
+    assert sum(s.value for s in samples["flashwatch_mitigations_total"]) == 0

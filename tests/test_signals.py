@@ -377,3 +377,38 @@ def test_bad_arguments_are_named(call, exc, words):
         call(HeadSignals(3, 4, 8))
     for w in words:
         assert w in str(info.value)
+
+
+def test_sign_z_and_share_window_match_brute_force():
+    # Σc, Σc² and share per step for 3 heads over 12 steps of a window of 5; head 2
+    # has no share on some steps (NaN) and no data (NaN G) on step 7.
+    g = torch.Generator().manual_seed(3)
+    n, k, w = 3, 4, 5
+    sig = HeadSignals(n, k, w)
+    hist = {h: [] for h in range(n)}
+    for step in range(12):
+        G = torch.randn(n, k, k, generator=g, dtype=torch.float64)
+        csum = torch.randn(n, generator=g, dtype=torch.float64) + 0.5
+        csq = torch.rand(n, generator=g, dtype=torch.float64) + 1.0
+        share = torch.rand(n, generator=g, dtype=torch.float64)
+        if step % 3 == 0:
+            share[2] = float("nan")
+        if step == 7:
+            G[2] = float("nan")
+        vals = sig.update(G, torch.ones(n, dtype=torch.float64), csum, csq, share)
+        for h in range(n):
+            if torch.isfinite(G[h]).all():
+                hist[h].append((csum[h].item(), csq[h].item(), share[h].item()))
+            last = hist[h][-w:]
+            z = sum(a for a, _, _ in last) / math.sqrt(sum(b for _, b, _ in last))
+            assert vals.delta_sign_z[h].item() == pytest.approx(z, rel=1e-12)
+            shares = [s for _, _, s in last if not math.isnan(s)]
+            if not shares:
+                assert math.isnan(vals.delta_error_share_mean[h].item())
+                continue
+            rms = math.sqrt(sum(s * s for s in shares) / len(shares))
+            assert vals.delta_error_share_mean[h].item() == pytest.approx(rms, rel=1e-12)
+            if len(shares) >= 2:
+                mean = sum(shares) / len(shares)
+                std = math.sqrt(sum((s - mean) ** 2 for s in shares) / (len(shares) - 1))
+                assert vals.delta_error_share_std[h].item() == pytest.approx(std, rel=1e-9)

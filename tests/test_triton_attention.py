@@ -4,7 +4,7 @@ On a CPU machine these run in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before anything imports triton); with TRITON_INTERPRET=0 and a GPU
 (benchmarks/gpu_check.py) the same tests run the compiled kernels on CUDA.
 
-Accuracy rule (DESIGN.md §8): with ref = FP64 math and pt = plain PyTorch math in the
+Accuracy rule (docs/design.md §8): with ref = FP64 math and pt = plain PyTorch math in the
 same low dtype, |out - ref|max ≤ 2·|pt - ref|max + floor, for O and each gradient.
 Counters are compared exactly, to the reference and to a brute-force count.
 
@@ -174,7 +174,7 @@ def test_rne_bf16_matches_torch_rounding():
         -(1.0 + one_ulp / 2), -(1.0 + 3 * one_ulp / 2),  # the same, negative
         1.0 + one_ulp / 2 + 2.0 ** -20,  # just above a midpoint: up
         1.0 + one_ulp / 2 - 2.0 ** -20,  # just below: down
-        -2.40625, -0.00087, -2.296875, -4.70399,  # DESIGN.md §1 worked example
+        -2.40625, -0.00087, -2.296875, -4.70399,  # docs/design.md §1 worked example
         math.inf, -math.inf, math.nan, -0.0, 0.0,
         3.3961e38,  # above bf16 max (3.3895e38) past the midpoint: overflows to +Inf
         -3.3961e38,

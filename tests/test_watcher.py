@@ -51,6 +51,22 @@ def _comparable(report):
     return d
 
 
+class SmallAttention(nn.Module):
+    """A nanoGPT-style layer (C = 32, 2 heads) whose attention is `attend(q, k, v, **kw)`."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.c_attn = nn.Linear(32, 96)
+        self.n_head = 2
+        self.attend = attend
+
+    def forward(self, x, **kw):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        return self.attend(q, k, v, **kw)
+
+
 # ---------------------------------------------------------------------------- basics
 
 
@@ -273,7 +289,7 @@ def _biased_kernel(monkeypatch, bias=1e-2):
 
 def _drive(model, w, steps, seed=0, vary=False):
     # Fixed input, loss = sum: dO keeps its sign, so c[T] keeps its sign: the planted
-    # persistent error of DESIGN.md §1 step 3. vary=True draws a new input every step.
+    # persistent error of docs/design.md §1 step 3. vary=True draws a new input every step.
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 16, 32, generator=g).bfloat16()
     model = model.bfloat16()
@@ -344,20 +360,11 @@ def test_a_hand_set_mode_restarts_that_heads_verification(monkeypatch):
 
 
 def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
-    class MaskedAttention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c_attn = nn.Linear(32, 96)
-            self.n_head = 2
+    def masked(q, k, v):
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
 
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.c_attn(x).split(C, dim=2)
-            q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
-            mask = torch.ones(T, T, dtype=torch.bool).tril()
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
-
-    model = nn.Sequential(MaskedAttention())
+    model = nn.Sequential(SmallAttention(masked))
     w = fw.watch(model, every_n_steps=1)
     w.set_head_modes("0", [Mode.BETA, Mode.STANDARD])
     x = torch.randn(2, 8, 32)
@@ -369,6 +376,53 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
     assert len(warnings) == 1 and "attn_mask" in warnings[0].message
     assert r.unmitigable == {"0": "it passes attn_mask"}
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
+    def rotaryish(q, k, v):  # like HF Llama under autocast: FP32 q, k (rotary), BF16 v
+        return F.scaled_dot_product_attention(q.float(), k.float(), v, is_causal=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SmallAttention(rotaryish))
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("0", [Mode.BETA, Mode.FP32_O])
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        q, k, v = (t.view(2, 8, 2, -1).transpose(1, 2) for t in model[0].c_attn(x).split(32, 2))
+    want = fw.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                        head_modes=[Mode.BETA, Mode.FP32_O])
+    out.float().sum().backward()
+    r = w.step()
+    assert w.monitor_errors_total == 0 and r.unmitigable == {}
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
+        monkeypatch, caplog):
+    def calls_with_beta(q, k, v, beta):  # a model that passes its own β and eps
+        return fw.attention(q, k, v, causal=True, head_modes=[Mode.BETA] * 2, beta=beta,
+                            eps=1e-2)
+
+    seen = []
+    real = fw_dispatch._dispatch
+    monkeypatch.setattr(fw_dispatch, "_dispatch", lambda *a, **kw: (
+        seen.append((kw["beta"], kw["eps"])), real(*a, **kw))[1])
+    model = nn.Sequential(SmallAttention(calls_with_beta))
+    x = torch.randn(2, 8, 32)
+    model[0](x, beta=8.0)
+    assert seen == [(8.0, 1e-2)]  # unwatched: the caller's values
+    w = fw.watch(model, every_n_steps=1, beta=3.0, eps=2e-3)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            model[0](x, beta=8.0)
+    assert seen[1:] == [(3.0, 2e-3)] * 2
+    warnings = [r.message for r in caplog.records if "beta=8.0" in r.message]
+    assert len(warnings) == 1 and "beta=3.0" in warnings[0]
+    w.remove()
+    model[0](x, beta=8.0)
+    assert seen[-1] == (8.0, 1e-2)
 
 
 # ------------------------------------------------------------------- resume, ranks
@@ -494,3 +548,222 @@ def test_a_raising_sink_or_probe_never_stops_training(monkeypatch, caplog):
     logged = [r for r in caplog.records if r.name == "flashwatch"]
     assert len(logged) == 3  # once for the sink, once per layer's probe
     assert reports[-1].monitor_errors_total == 3
+
+
+def test_the_policy_sees_each_heads_max_logit(monkeypatch):
+    """The planted drift of _planted_watch, with BETA allowed only below 0.01 nats of
+    shift: every switch must go to FP32_O, its reason quoting the reported max logit."""
+    _biased_kernel(monkeypatch)
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    w = fw.watch(model, every_n_steps=1, mitigation="auto", min_history=8, patience=2,
+                 verify_steps=8, window=32, beta_max_excess=0.01)
+    reports = _drive(model, w, 30)
+    events = [e for e in w.events if e.kind == "mode"]
+    assert events and all(e.to_mode == Mode.FP32_O for e in events)
+    e = events[0]
+    (rep,) = [r for r in reports if r is not None and r.step == e.step]
+    logit = next(h.attention_max_logit for h in rep.heads if (h.layer, h.head) ==
+                 (e.layer, e.head))
+    assert f"BETA unsafe at max logit {logit:.3g}" in e.reason
+
+
+# ------------------------------------------------------- δ error on every row, share
+
+
+def _fused_o_fp64(q, k, v, scale):
+    """O before the final rounding in the fused arithmetic, in FP64, causal, one key block:
+    P̄ = exp(s - rowmax) rounded to bf16 before P̄V, l = Σ P̄ unrounded (docs/design.md §4)."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = (q @ k.transpose(-1, -2)) * scale
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p.to(torch.bfloat16).double() @ v) / p.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_own_kernel_delta_sums_cover_every_row_fp64(backend):
+    # rows_per_head=4 of 32: a sampled Σc would differ; the kernel's FP32 O gives all rows.
+    # T = 16 keys: one key block for both backends, so the FP64 oracle's shift is theirs.
+    torch.manual_seed(11)
+    model = TiedAttention(C=32, H=2).bfloat16()
+    B, T, C, H = 2, 16, 32, 2
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(B, T, C, generator=g).bfloat16()
+    wgt = torch.randn(B, T, C, generator=g)
+    w = fw.watch(model, every_n_steps=1, rows_per_head=4, backend=backend)
+    w.set_head_modes(w.sites[0].name, [Mode.STANDARD, Mode.FP32_O])
+    (model(x).float() * wgt).sum().backward()
+    report = w.step()
+    w.remove()
+    with torch.no_grad():
+        q, k, v = (t.view(B, T, H, -1).transpose(1, 2) for t in model.c_attn(x).split(C, 2))
+        scale = (C // H) ** -0.5
+        o_used = fw.attention(q, k, v, causal=True, backend=backend,
+                              head_modes=[Mode.STANDARD, Mode.FP32_O])
+    do = wgt.bfloat16().double().view(B, T, H, -1).transpose(1, 2)
+    c = (do * (o_used.double() - _fused_o_fp64(q, k, v, scale))).sum(-1)  # [B, H, T]
+    c[:, 1] = 0.0  # the FP32_O head's δ used the FP32 O: no error
+    s1, s2 = c.sum((0, 2)), c.square().sum((0, 2))
+    assert s2[0] > 0
+    got1 = torch.tensor([h.delta_error_sum for h in report.heads], dtype=torch.float64)
+    assert torch.allclose(got1, s1, rtol=1e-3, atol=1e-3 * s2[0].sqrt().item()), (got1, s1)
+    h0 = report.heads[0]
+    assert h0.delta_error_rows == B * T and h0.delta_error_all_rows
+    # one step in the window: the sign statistic is Σc / sqrt(Σc²) of this step
+    assert h0.delta_sign_z == pytest.approx(float(s1[0] / s2[0].sqrt()), rel=1e-3)
+
+
+def test_foreign_kernel_rows_all_versus_sampled_is_visible():
+    torch.manual_seed(12)
+    model = GPT(GPTConfig(**SMALL))
+    x, y = _batch(torch.Generator().manual_seed(12))
+    for rows, all_rows in (("all", True), (16, False)):
+        w = fw.watch(model, every_n_steps=1, rows_per_head=rows)
+        model(x, y)[1].backward()
+        r = w.step()
+        w.remove()
+        model.zero_grad()
+        assert all(h.delta_error_all_rows == all_rows for h in r.heads)
+        assert all(h.delta_error_rows == (4 * 32 if all_rows else 16) for h in r.heads)
+
+
+class _QKV(nn.Module):
+    """Separate Q/K/V projections and SDPA (a foreign kernel), width C, H heads."""
+
+    def __init__(self, C, H):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(C, C, bias=False) for _ in "qkv")
+        self.num_heads = H
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, self.num_heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
+            .reshape(B, T, C)
+
+
+def _share_case(seed, C=128, H=2, B=4, T=32, rows="all", watch_seed=0):
+    """One bf16 step of _QKV; returns (report, per-head FP64 ‖E‖², Σ‖e_T‖², ‖dW^Q‖²)."""
+    torch.manual_seed(seed)
+    model = _QKV(C, H).bfloat16()
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, C, generator=g).bfloat16()
+    wgt = torch.randn(B, T, C, generator=g)
+    w = fw.watch(model, sites={"": dict(num_heads=H, q_module="q_proj")}, every_n_steps=1,
+                 rows_per_head=rows, seed=watch_seed)
+    (model(x).float() * wgt).sum().backward()
+    report = w.step()
+    w.remove()
+    D = C // H
+    with torch.no_grad():
+        q, k, v = (p(x).view(B, T, H, D).transpose(1, 2)
+                   for p in (model.q_proj, model.k_proj, model.v_proj))
+        o_used = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    p = torch.softmax(s, -1)
+    pk = p @ k.double()  # [B, H, T, D]
+    do = wgt.bfloat16().double().view(B, T, H, D).transpose(1, 2)
+    c = (do * (o_used.double() - p @ v.double())).sum(-1)  # [B, H, T]
+    X = x.double()  # [B, T, C]
+    E = D ** -0.5 * torch.einsum("bht,bhtd,btc->hdc", c, pk, X)  # Eq. 3, this layer
+    diag = D ** -0.5 * c.abs() * pk.norm(dim=-1) * X.norm(dim=-1).unsqueeze(1)
+    gq = model.q_proj.weight.grad.double().view(H, D, C)
+    return (report, E.square().sum((1, 2)), diag.square().sum((0, 2)),
+            gq.square().sum((1, 2)))
+
+
+def test_delta_error_share_is_sum_of_row_terms_over_the_gradient_fp64():
+    # Every row sampled: the estimate is exactly sqrt(Σ_T ‖e_T‖²) / ‖dW^Q_h‖ in FP64.
+    report, _, diag, gq = _share_case(21)
+    got = torch.tensor([h.delta_error_share for h in report.heads], dtype=torch.float64)
+    assert torch.allclose(got, (diag / gq).sqrt(), rtol=2e-2), (got, (diag / gq).sqrt())
+
+
+def test_delta_error_share_estimates_the_exact_eq3_norm():
+    # Row errors of random data add incoherently: Σ‖e_T‖² estimates ‖Σ e_T‖² = ‖E‖²;
+    # with 128 rows in d_model = 128 the cross terms leave ~5 % per case, so the mean
+    # ratio over 6 cases is within 15 %.
+    ratios = []
+    for seed in range(6):
+        report, exact, _, gq = _share_case(30 + seed)
+        est = torch.tensor([h.delta_error_share for h in report.heads], dtype=torch.float64)
+        ratios.append(est / (exact / gq).sqrt())
+    ratio = torch.stack(ratios).mean(0)
+    assert ((ratio > 0.85) & (ratio < 1.15)).all(), torch.stack(ratios)
+
+
+def test_sampled_share_squared_is_unbiased_over_row_samples():
+    # R = 16 of M = 128 rows, scaled by M/R: E[share²] over row samples = the all-row
+    # Σ‖e_T‖²/‖dW^Q‖². ‖PK_T‖ of early causal rows is large, so single samples are skewed
+    # low (median ≈ 0.5 of the truth here) while the mean of squares is right: measured
+    # 0.95 and 1.12 over 32 samples (standard error 0.15); the bound is ~3 standard errors.
+    # The naive ‖(M/R) Σ_sampled e_T‖² would be ≈ M/R = 8 times too large.
+    full, _, _, _ = _share_case(5)
+    full = torch.tensor([h.delta_error_share for h in full.heads], dtype=torch.float64)
+    samples = []
+    for seed in range(32):
+        r, _, _, _ = _share_case(5, rows=16, watch_seed=seed)
+        samples.append(torch.tensor([h.delta_error_share for h in r.heads],
+                                    dtype=torch.float64))
+    mean_sq = torch.stack(samples).square().mean(0) / full.square()
+    assert ((mean_sq > 0.55) & (mean_sq < 1.45)).all(), mean_sq
+
+
+def test_guarded_rows_reach_the_report_exactly():
+    # All keys equal (tie=True), q scaled so the row max r_m spreads over ±150: BETA's
+    # excess, (β-1)·r_m = r_m above 0 and -r_m below, passes the 60-nat guard in the
+    # rows with |r_m| > 60.
+    torch.manual_seed(13)
+    model = TiedAttention(C=32, H=2, tie=True)
+    with torch.no_grad():
+        model.c_attn.weight[:32] *= 300.0
+    model = model.bfloat16()
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(13)).bfloat16()
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes(w.sites[0].name, [Mode.BETA, Mode.STANDARD])
+    model(x).float().sum().backward()
+    report = w.step()
+    w.remove()
+    with torch.no_grad():
+        q, k, _ = (t.view(2, 16, 2, -1).transpose(1, 2) for t in model.c_attn(x).split(32, 2))
+        s = (q.double() @ k.double().transpose(-1, -2)) * 16 ** -0.5
+        s = s.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), -math.inf)
+        m = s.amax(-1)
+        tied = ((s >= (m - 1e-3).unsqueeze(-1)).sum(-1) >= 2)
+        want = (tied & (m.abs() > 60.0)).sum((0, 2))
+    assert 0 < want[0] < tied[:, 0].sum()
+    assert [h.guarded_rows for h in report.heads] == [int(want[0]), 0]
+
+
+def test_share_uses_the_whole_accumulated_gradient_even_after_zero_grad():
+    # Two micro-batches, zero_grad() before watcher.step(): the hook kept ‖g_a + g_b‖²,
+    # and ‖E‖² estimates add, so share² = (s_a² ‖g_a‖² + s_b² ‖g_b‖²) / ‖g_a + g_b‖².
+    torch.manual_seed(14)
+    C, H, B, T = 64, 2, 2, 16
+    model = _QKV(C, H).bfloat16()
+    g = torch.Generator().manual_seed(14)
+    xs = [torch.randn(B, T, C, generator=g).bfloat16() for _ in range(2)]
+    ws = [torch.randn(B, T, C, generator=g) for _ in range(2)]
+    site = {"": dict(num_heads=H, q_module="q_proj")}
+
+    def run(pairs):
+        w = fw.watch(model, sites=site, every_n_steps=1, rows_per_head="all")
+        for x, wgt in pairs:
+            (model(x).float() * wgt).sum().backward()
+        grad = model.q_proj.weight.grad.double().view(H, C // H, C).square().sum((1, 2))
+        model.zero_grad(set_to_none=True)
+        share = torch.tensor([h.delta_error_share for h in w.step().heads],
+                             dtype=torch.float64)
+        w.remove()
+        return share, grad
+
+    pairs = list(zip(xs, ws, strict=True))
+    s_ab, g_ab = run(pairs)
+    (s_a, g_a), (s_b, g_b) = run(pairs[:1]), run(pairs[1:])
+    want = ((s_a ** 2 * g_a + s_b ** 2 * g_b) / g_ab).sqrt()
+    assert torch.allclose(s_ab, want, rtol=1e-6), (s_ab, want)
+    assert not torch.allclose(g_ab, g_a + g_b, rtol=1e-2)  # the cross term matters

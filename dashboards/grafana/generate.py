@@ -144,11 +144,26 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     [_target(f"topk({TOPK}, abs(flashwatch_r_projection_cumulative{{{SEL}}}))",
                              "{{layer}} h{{head}}")]),
         _timeseries(f"δ error sum, worst {TOPK} heads",
-                    "Sum over sampled rows of the δ error c[T] on the latest monitored step "
+                    "Sum of the δ error c[T] over every row (flashwatch's kernel) or the "
+                    "sampled rows (another kernel) on the latest monitored step "
                     "(the paper's coefficient sum); its sign staying the same step after "
                     "step is what drives the drift.",
                     [_target(f"topk({TOPK}, abs(flashwatch_delta_error_sum{{{SEL}}}))",
                              "{{layer}} h{{head}}")]),
+        _timeseries(f"δ-error share of the W^Q gradient, worst {TOPK} heads",
+                    "Estimated ‖E‖/‖dW^Q‖: the part of each head's W^Q gradient that is δ "
+                    "rounding error (the paper's Eq. 3, this layer's term), per monitored "
+                    "step. Healthy ≪ 0.05 (the line, the alert threshold on its 15-minute "
+                    "mean); tens of percent precede the CPU-scale spikes.",
+                    [_target(f"topk({TOPK}, flashwatch_delta_error_share{{{SEL}}})",
+                             "{{layer}} h{{head}}")],
+                    unit="percentunit", thresholds=_thresholds((0.05, "red"))),
+        _timeseries("BETA rows at the underflow guard",
+                    "BETA rows per interval whose shift hit the underflow guard (logits in "
+                    "the thousands): the fix then uses a row-dependent shift.",
+                    [_target("sum by (layer, head) (increase(flashwatch_guarded_rows_total"
+                             f"{{{SEL}}}[$__rate_interval]))", "{{layer}} h{{head}}")],
+                    drawStyle="bars", fillOpacity=80),
     ]
     wq = [
         _timeseries("W^Q spectral norm per head",
@@ -158,7 +173,8 @@ def _rows() -> list[tuple[str, list[dict]]]:
         _timeseries("W^Q spectral-norm growth over 30 min vs layer median",
                     "Relative growth of each head's norm from its 30-minute minimum "
                     f"(top {TOPK} heads) and the median head of each layer (dashed); the "
-                    "alert fires at ≥ 20 % and > 3 × the median.",
+                    "alert fires at ≥ 20 % and > 3 × the median while the head's max logit "
+                    "is ≥ 100 (below it the growth is ordinary learning).",
                     [_target(f"topk({TOPK}, head:flashwatch_wq_spectral_norm:growth30m{{{SEL}}})",
                              "{{layer}} h{{head}}"),
                      _target(f'layer:flashwatch_wq_spectral_norm_growth30m:median{{{JOB}, '
@@ -188,6 +204,13 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "mode (also drawn as red annotations on every panel).",
                     [_target("sum by (layer, head, mode) (increase(flashwatch_mitigations_total"
                              f"{{{SEL}}}[$__rate_interval]))", "{{layer}} h{{head}} → {{mode}}")],
+                    drawStyle="bars", fillOpacity=80),
+        _timeseries("QK-clips applied",
+                    "W^Q/W^K rescalings of heads whose max logit exceeded qk_clip_threshold "
+                    "(opt-in, mitigation auto) per interval; unlike a mode switch they "
+                    "change the model.",
+                    [_target("sum by (layer, head) (increase(flashwatch_qk_clip_total"
+                             f"{{{SEL}}}[$__rate_interval]))", "{{layer}} h{{head}}")],
                     drawStyle="bars", fillOpacity=80),
     ]
     monitor = [
@@ -324,6 +347,8 @@ def build_dashboard() -> dict:
 # Grafana rule uid and the dashboard panel its alert links to (by title).
 ALERT_META = {
     "FlashwatchDeltaDriftSustained": ("fw-delta-drift", f"δ-error drift z, worst {TOPK} heads"),
+    "FlashwatchDeltaErrorShareHigh": ("fw-delta-share",
+                                      f"δ-error share of the W^Q gradient, worst {TOPK} heads"),
     "FlashwatchTiedRowmaxRising": ("fw-tied-rowmax", "Tied-rowmax ratio over time (per head)"),
     "FlashwatchWqSpectralNormGrowth": ("fw-wq-growth",
                                        "W^Q spectral-norm growth over 30 min vs layer median"),
@@ -331,6 +356,7 @@ ALERT_META = {
     "FlashwatchMonitorErrors": ("fw-monitor-errors", "Monitor errors"),
     "FlashwatchExporterDown": ("fw-exporter-down", "Exporter up and monitored step"),
     "FlashwatchExporterAbsent": ("fw-exporter-absent", "Exporter up and monitored step"),
+    "FlashwatchQkClipApplied": ("fw-qk-clip", "QK-clips applied"),
 }
 
 
