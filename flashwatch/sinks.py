@@ -26,7 +26,7 @@ class Sink(Protocol):
 
 
 # Above this many heads a report line is compact by default: a full per-head record is
-# ≈ 450 bytes per head (115 kB per line at 256 heads, 2.3 MB at 5,120).
+# ≈ 715 bytes per head (183 kB per line at 256 heads, 3.7 MB at 5,120).
 COMPACT_ABOVE_HEADS = 256
 DEFAULT_FULL_EVERY = 100  # full record every 100th monitored step when compact
 
@@ -49,8 +49,8 @@ class JsonlSink:
                     StepReport.layer_summaries) and "worst_heads" (the `top` heads by
                     drift z plus every flagged head), with "full": false. None (default):
                     1 (always full) for reports of ≤ COMPACT_ABOVE_HEADS (256) heads,
-                    else DEFAULT_FULL_EVERY (100): 5,120 heads then average ≈ 50 kB per
-                    line instead of 2.3 MB. Pass 1 to always keep the full record.
+                    else DEFAULT_FULL_EVERY (100): 5,120 heads then average ≈ 71 kB per
+                    line instead of 3.7 MB. Pass 1 to always keep the full record.
     top             worst heads in a compact line (default 8).
     """
 

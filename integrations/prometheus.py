@@ -11,9 +11,9 @@ Design:
   builds the metric families from it. The training thread never waits for a scrape
   beyond that pointer swap and never does any formatting.
 - The page is rendered once per report by `render` (prometheus_client's text format,
-  byte for byte, at a fifth of generate_latest's cost: 5,120 heads, 51k samples, took
-  0.7 s of GIL-holding Python with generate_latest), on the HTTP thread at the first
-  scrape after a write, then served from a cache (gzip too when
+  byte for byte, 3–6× faster than generate_latest: 5,120 heads, 67k samples, took
+  0.5–0.95 s of GIL-holding Python with generate_latest), on the HTTP thread at the
+  first scrape after a write, then served from a cache (gzip too when
   the scraper accepts it). prometheus_client's own start_http_server renders on every
   scrape: for GPT-2 Small's 144 heads that is 11 ms of Python per scrape (23 ms with
   HTTP) holding the GIL; at 50 scrapes/s a CPU training step of a 12×12-head GPT took
@@ -340,8 +340,8 @@ def _series(snap: _Snapshot | None):
 
 def render(snap: _Snapshot | None) -> bytes:
     """The text exposition format of a snapshot, byte for byte what prometheus_client's
-    generate_latest writes (tests/test_prometheus.py), at ≈ 1/5 of its cost: label
-    strings are built once per head, not once per sample (5,120 heads: 51,203 samples,
+    generate_latest writes (tests/test_prometheus.py), 3–6× faster: label strings are
+    built once per head, not once per sample (5,120 heads: 66,563 samples,
     benchmarks/bench_scale.py)."""
     lines = []
     label_cache: dict = {}
