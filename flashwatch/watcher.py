@@ -656,9 +656,8 @@ class Watcher:
         share = torch.where((share_rows == 0) | ~(wq_grad_sq > 0), math.nan, share)
         values = self._signals.update(G, sigma, delta_sum, delta_sq, share)
         modes = torch.cat([st.modes for st in self._states]).long()
-        # share: delta_error_share per head, wired by issue 12's full-row δ sums.
         decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
-                                       share=None)
+                                       share=share)
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
             st.modes = new_modes[st.offset:st.offset + st.site.num_heads].clone()

@@ -27,6 +27,8 @@ class Fp32DeltaAttention(torch.autograd.Function):
     fp32_delta = False  # read at backward time
     record_ties = False  # append each call's tied-rowmax ratio [H] to `tied`
     tied: list = []
+    record_c = False  # append each BF16-δ backward's Σ_T c[T] per head [H] (FP64) to `c_sums`
+    c_sums: list = []
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -44,6 +46,10 @@ class Fp32DeltaAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
         mode = Mode.FP32_O if Fp32DeltaAttention.fp32_delta else Mode.STANDARD
+        if Fp32DeltaAttention.record_c and mode == Mode.STANDARD:
+            # c[T] = rowsum(dO ∘ O) − rowsum(dO ∘ O_fp32) on every row, summed per head
+            c = (do.double() * (o.double() - o32.double())).sum(-1)
+            Fp32DeltaAttention.c_sums.append(c.sum((0, 2)))
         modes = torch.full((q.shape[1],), int(mode), dtype=torch.int32)
         dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32 if mode == Mode.FP32_O else None,
                                        causal=True, scale=ctx.scale, modes=modes)

@@ -306,12 +306,14 @@ def _drive(model, w, steps, seed=0, vary=False):
 def _planted_watch(monkeypatch, mitigation):
     """The tied/plain two-layer model on a leaning kernel, watched every step. Identical
     inputs give identical G each step, so z = sqrt(steps in window): it passes 4 after
-    17 steps, and again 17 steps after a switch resets the window."""
+    17 steps, and again 17 steps after a switch resets the window. The leaning kernel's
+    δ error is ≈ 3.5× the W^Q gradient, so rule (a) is switched off here: these tests
+    are about the drift rule (rule (a) has its own test)."""
     _biased_kernel(monkeypatch)
     torch.manual_seed(7)
     model = _TwoLayers()
     cfg = fw.WatchConfig(every_n_steps=1, mitigation=mitigation, min_history=8, patience=2,
-                         verify_steps=8, window=32)
+                         verify_steps=8, window=32, delta_share_threshold=1e9)
     return model, fw.watch(model, config=cfg)
 
 
@@ -436,7 +438,8 @@ def test_resume_gives_identical_reports_and_modes(monkeypatch, tmp_path):
         model = _TwoLayers().bfloat16()
         # 8 of 32 rows sampled per step: the row-sampling RNG must resume exactly too.
         cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
-                             verify_steps=8, window=32, rows_per_head=8)
+                             verify_steps=8, window=32, rows_per_head=8,
+                             delta_share_threshold=1e9)  # the drift rule decides here
         return model, fw.watch(model, config=cfg)
 
     def drive(model, w, steps):
@@ -483,7 +486,7 @@ def _rank_run(rank):
     torch.manual_seed(7)
     model = _TwoLayers()
     cfg = fw.WatchConfig(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
-                         verify_steps=8, window=32)
+                         verify_steps=8, window=32, delta_share_threshold=1e9)  # drift rule
     w = fw.watch(model, config=cfg)
     _drive(model, w, 30, seed=rank, vary=rank == 1)
     return w
@@ -557,7 +560,8 @@ def test_the_policy_sees_each_heads_max_logit(monkeypatch):
     torch.manual_seed(0)
     model = _TwoLayers()
     w = fw.watch(model, every_n_steps=1, mitigation="auto", min_history=8, patience=2,
-                 verify_steps=8, window=32, beta_max_excess=0.01)
+                 verify_steps=8, window=32, beta_max_excess=0.01,
+                 delta_share_threshold=1e9)  # the planted kernel leans: share ≈ 3.5
     reports = _drive(model, w, 30)
     events = [e for e in w.events if e.kind == "mode"]
     assert events and all(e.to_mode == Mode.FP32_O for e in events)
@@ -566,6 +570,26 @@ def test_the_policy_sees_each_heads_max_logit(monkeypatch):
     logit = next(h.attention_max_logit for h in rep.heads if (h.layer, h.head) ==
                  (e.layer, e.head))
     assert f"BETA unsafe at max logit {logit:.3g}" in e.reason
+
+
+def test_the_policy_sees_each_heads_delta_error_share():
+    """Rule (a) on the watcher's own numbers: with a threshold every measured share
+    exceeds, each head goes to FP32_O after delta_share_steps monitored steps, with the
+    reported share in its reason; heads already in FP32_O stay there."""
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    w = fw.watch(model, every_n_steps=1, mitigation="auto", delta_share_threshold=1e-9,
+                 delta_share_steps=2)
+    reports = [r for r in _drive(model, w, 4) if r is not None]
+    w.remove()
+    events = [e for e in w.events if e.kind == "mode"]
+    assert {(e.layer, e.head) for e in events} == {(h.layer, h.head) for h in reports[0].heads}
+    for e in events:
+        assert e.to_mode == Mode.FP32_O and e.reason.startswith("[delta_share]")
+        assert e.step == reports[1].step  # the second consecutive step over the threshold
+        share = next(h.delta_error_share for h in reports[1].heads
+                     if (h.layer, h.head) == (e.layer, e.head))
+        assert share > 0 and f"W^Q gradient {share:.3g}" in e.reason
 
 
 # ------------------------------------------------------- δ error on every row, share
