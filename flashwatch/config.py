@@ -16,7 +16,11 @@ class WatchConfig:
 
     Cadence and sampling
       every_n_steps   monitor one optimizer step in this many (the others cost nothing
-                      beyond the attention call itself). Default 10.
+                      beyond the attention call itself). Default 10: at 80 layers × 64
+                      heads a monitored step costs each rank ≈ 0.2–0.3 s (rank 0, with its
+                      sinks, up to 0.5 s), 0.4–1 % of a ≈ 5 s step of a 70B model on
+                      1,024 GPUs once amortised
+                      (benchmarks/RESULTS.md, "At scale"); raise it for more margin.
       rows_per_head   query rows sampled per layer and monitored step for the δ probe;
                       each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
                       tiny next to the layer's N²·D·H. Default 64. "all": recompute
@@ -64,7 +68,13 @@ class WatchConfig:
                       drift decayed; if not, escalate to FP32_O. Default 32.
       power_iters     the least number of warm-started power-iteration steps per
                       monitored step for the W^Q spectral norm; it goes on until σ
-                      changes by < 1e-6 (relative), at most 100. Default 4.
+                      changes by < 1e-6 (relative), at most power_max_iters. Default 4.
+      power_max_iters the most warm-started iterations per monitored step. Default 100:
+                      4–12 were needed at 80 layers × 64 heads (benchmarks/RESULTS.md);
+                      100 covers a fast-turning W^Q (4 left σ 1.6 % low once). At d_head
+                      128, d_model 8,192 one iteration reads W^Q twice, ≈ 0.11 ms per
+                      layer on an H100-class GPU: 80 layers at the cap ≈ 0.9 s per
+                      monitored step; lower it (≥ power_iters) to bound that.
 
     Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
       delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
@@ -120,6 +130,7 @@ class WatchConfig:
     min_history: int = 16
     verify_steps: int = 32
     power_iters: int = 4
+    power_max_iters: int = 100
     delta_share_threshold: float = 0.1
     delta_share_steps: int = 8
     beta_max_excess: float = 60.0
@@ -129,7 +140,7 @@ class WatchConfig:
 
     def __post_init__(self) -> None:
         positive_ints = ("every_n_steps", "sketch_dim", "window", "patience",
-                         "verify_steps", "power_iters")
+                         "verify_steps", "power_iters", "power_max_iters")
         if self.rows_per_head != "all":
             if isinstance(self.rows_per_head, str):
                 raise ValueError(f"rows_per_head must be a positive int or \"all\", got "
@@ -139,6 +150,9 @@ class WatchConfig:
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("min_history", self.min_history, minimum=0)
         _check_int("seed", self.seed, minimum=0)
+        if self.power_max_iters < self.power_iters:
+            raise ValueError(f"power_max_iters must be ≥ power_iters ({self.power_iters}), "
+                             f"got {self.power_max_iters}")
         if self.window < 2:
             raise ValueError(f"window must be ≥ 2 monitored steps, got {self.window}")
         _check_float("eps", self.eps, lower=0.0)

@@ -23,6 +23,9 @@ HEAD_METRICS = (
     "wq_spectral_norm",  # largest singular value of W^Q_h
     "guarded_rows",  # BETA rows whose shift hit the underflow guard, this step
 )
+# Per-layer summaries (StepReport.layer_summaries): the max over a layer's heads of these.
+LAYER_MAX = ("tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
+             "wq_spectral_norm", "delta_error_share")
 
 
 @dataclass
@@ -100,16 +103,38 @@ class StepReport:
     unmitigable: dict[str, str] = field(default_factory=dict)
     qk_clips_total: int = 0  # QK-clips applied over the run (resumes with the watcher)
 
-    def to_dict(self) -> dict:
-        return {
+    def to_dict(self, heads: bool = True) -> dict:
+        """JSON-ready; heads=False leaves out the per-head records (key "heads")."""
+        d = {
             "step": self.step,
             "monitor_seconds": self.monitor_seconds,
             "monitor_errors_total": self.monitor_errors_total,
             "unmitigable": dict(self.unmitigable),
             "qk_clips_total": self.qk_clips_total,
-            "heads": [h.to_dict() for h in self.heads],
-            "events": [e.to_dict() for e in self.events],
         }
+        if heads:
+            d["heads"] = [h.to_dict() for h in self.heads]
+        d["events"] = [e.to_dict() for e in self.events]
+        return d
+
+    def layer_summaries(self) -> dict[str, dict]:
+        """Per layer, in report order: "<field>_max" over its heads for each LAYER_MAX
+        field (NaN heads left out; NaN when all are), "heads", "heads_not_standard" and
+        "heads_flagged"."""
+        out: dict[str, dict] = {}
+        for h in self.heads:
+            s = out.get(h.layer)
+            if s is None:
+                s = out[h.layer] = {f"{f}_max": math.nan for f in LAYER_MAX}
+                s.update(heads=0, heads_not_standard=0, heads_flagged=0)
+            for f in LAYER_MAX:
+                v, key = getattr(h, f), f"{f}_max"
+                if not math.isnan(v) and not v <= s[key]:  # NaN max: the first value wins
+                    s[key] = v
+            s["heads"] += 1
+            s["heads_not_standard"] += h.head_mode != Mode.STANDARD
+            s["heads_flagged"] += bool(h.flagged)
+        return out
 
     def worst(self, n: int = 5, key: str = "delta_drift_z") -> list[HeadRecord]:
         """The n heads with the largest `key` (NaN last)."""

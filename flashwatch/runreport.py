@@ -34,7 +34,8 @@ def load_run(run_dir: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: RUN_DIR must hold the flashwatch.jsonl "
                                 f"written by JsonlSink (as `flashwatch demo` does)")
-    reports = read_jsonl(path)
+    # compact lines (JsonlSink on large models) have no per-head record: skip them
+    reports = [r for r in read_jsonl(path) if "heads" in r]
     if not reports:
         raise ValueError(f"{path} holds no complete report yet")
     heads = [(h["layer"], h["head"]) for h in reports[0]["heads"]]

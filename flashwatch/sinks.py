@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import IO, Protocol, runtime_checkable
 
-from flashwatch.report import StepReport
+from flashwatch.report import StepReport, _json_float
 
 
 @runtime_checkable
@@ -25,30 +25,107 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+# Above this many heads a report line is compact by default: a full per-head record is
+# ≈ 715 bytes per head (183 kB per line at 256 heads, 3.7 MB at 5,120).
+COMPACT_ABOVE_HEADS = 256
+DEFAULT_FULL_EVERY = 100  # full record every 100th monitored step when compact
+
+
 class JsonlSink:
     """Appends one JSON object per monitored step to `path` and flushes it.
 
     A crash loses at most the line being written; readers should skip a final partial
     line (`read_jsonl` does). `fsync=True` also forces the line to disk (slower).
+
+    rank_zero_only  write from global rank 0 only (default True): after the watcher's
+                    cross-rank reduction every rank holds the same per-head numbers.
+                    The rank is `rank`, else torch.distributed's when initialized at
+                    the first write, else env RANK (0 when unset). False: every rank
+                    writes (give each its own path).
+    full_every      write the full per-head record ("heads": one dict per head) on
+                    every full_every-th monitored step, and on any step with an event or
+                    a change in which heads are flagged; the other steps get the compact
+                    form: "layers" (per-layer maxima and counts, see
+                    StepReport.layer_summaries) and "worst_heads" (the `top` heads by
+                    drift z plus every flagged head), with "full": false. None (default):
+                    1 (always full) for reports of ≤ COMPACT_ABOVE_HEADS (256) heads,
+                    else DEFAULT_FULL_EVERY (100): 5,120 heads then average ≈ 71 kB per
+                    line instead of 3.7 MB. Pass 1 to always keep the full record.
+    top             worst heads in a compact line (default 8).
     """
 
-    def __init__(self, path: str | os.PathLike, *, fsync: bool = False):
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False,
+                 rank_zero_only: bool = True, rank: int | None = None,
+                 full_every: int | None = None, top: int = 8):
+        for name, v in (("full_every", full_every), ("top", top)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int ≥ 1, got {v!r}"
+                                 + ("; or None for the default by model size"
+                                    if name == "full_every" else ""))
+        _check_rank(rank)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+        self._file = None  # opened at the first write on a writing rank
         self._fsync = fsync
+        self._rank_zero_only, self._rank = rank_zero_only, rank
+        self.full_every, self.top = full_every, top
+        self._count = 0  # monitored steps seen
+        self._flagged: frozenset = frozenset()
 
     def write(self, report: StepReport) -> None:
-        if self._file.closed:  # reused after close(), e.g. by a second Lightning fit()
-            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-        self._file.write(json.dumps(report.to_dict(), allow_nan=False) + "\n")
+        if not _writes_here(self._rank_zero_only, self._rank):
+            return
+        if self._file is None or self._file.closed:  # first write, or a second fit()
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+        self._file.write(json.dumps(self._line(report), allow_nan=False) + "\n")
         self._file.flush()
         if self._fsync:
             os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
+
+    def _line(self, report: StepReport) -> dict:
+        every = self.full_every
+        if every is None:
+            every = 1 if len(report.heads) <= COMPACT_ABOVE_HEADS else DEFAULT_FULL_EVERY
+        flagged = frozenset((h.layer, h.head) for h in report.heads if h.flagged)
+        full = self._count % every == 0 or bool(report.events) or flagged != self._flagged
+        self._count += 1
+        self._flagged = flagged
+        if full:
+            return {**report.to_dict(), "full": True}
+        worst = report.worst(self.top)
+        chosen = {(h.layer, h.head) for h in worst}
+        worst += [h for h in report.heads if h.flagged and (h.layer, h.head) not in chosen]
+        d = report.to_dict(heads=False)
+        d["full"] = False
+        d["layers"] = [{"layer": layer, **{k: _json_float(v) for k, v in s.items()}}
+                       for layer, s in report.layer_summaries().items()]
+        d["worst_heads"] = [h.to_dict() for h in worst]
+        return d
+
+
+def _check_rank(rank) -> None:
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank must be an int ≥ 0 or None (detect it), got {rank!r}")
+
+
+def _writes_here(rank_zero_only: bool, rank: int | None) -> bool:
+    """Whether a sink writes in this process: always, or only on global rank 0 (`rank`,
+    else torch.distributed's when initialized, else env RANK, 0 when unset)."""
+    if not rank_zero_only:
+        return True
+    if rank is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank()
+        else:
+            raw = os.environ.get("RANK", "0") or "0"
+            rank = int(raw) if raw.isdigit() else 0
+    return rank == 0
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -65,16 +142,25 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 class ConsoleSink:
-    """Prints the worst heads (by drift z) and every event, every `every` reports."""
+    """Prints the worst heads (by drift z) and every event, every `every` reports.
 
-    def __init__(self, *, top: int = 5, every: int = 1, stream: IO[str] | None = None):
+    rank_zero_only and rank as JsonlSink's: by default only global rank 0 prints (the
+    reduced numbers are the same on every rank; 1,024 ranks would print 1,024 copies).
+    """
+
+    def __init__(self, *, top: int = 5, every: int = 1, stream: IO[str] | None = None,
+                 rank_zero_only: bool = True, rank: int | None = None):
         if top < 1 or every < 1:
             raise ValueError(f"top and every must be ≥ 1, got top={top}, every={every}")
+        _check_rank(rank)
         self.top, self.every = top, every
         self.stream = stream or sys.stdout
+        self._rank_zero_only, self._rank = rank_zero_only, rank
         self._count = 0
 
     def write(self, report: StepReport) -> None:
+        if not _writes_here(self._rank_zero_only, self._rank):
+            return
         self._count += 1
         for e in report.events:
             if e.kind == "qk_clip":

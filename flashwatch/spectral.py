@@ -36,15 +36,15 @@ def start_vector(n_heads: int, dim: int, *, seed: int = DEFAULT_SEED,
 
 
 def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int = 4,
-                    tol: float = 1e-6, *, seed: int = DEFAULT_SEED
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    tol: float = 1e-6, *, seed: int = DEFAULT_SEED,
+                    max_iters: int = WARM_MAX_ITERS) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest singular value of each W[h] (shape [H, a, b]).
 
     v      [H, b] right singular vector estimate from the previous call (warm start), or
            None for a cold start from seeded random vectors.
     iters  iterations on a warm start, continued until the relative change of every σ
-           is below `tol` (at most WARM_MAX_ITERS). A cold start iterates until then (at
-           most COLD_START_MAX_ITERS iterations).
+           is below `tol` (at most max(iters, max_iters), default WARM_MAX_ITERS). A cold
+           start iterates until then (at most COLD_START_MAX_ITERS iterations).
     Returns (sigma [H], v [H, b]); float64 when W is float64, else float32 (bf16/fp16
     weights are upcast: their own rounding would limit σ to ~3 significant digits).
     A zero W[h] gives σ = 0 and keeps its vector. A non-finite W[h] gives σ = NaN and
@@ -62,15 +62,22 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
                         f"cast with W.float()")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
+    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
+        raise ValueError(f"max_iters must be a positive int, got {max_iters!r} (e.g. "
+                         f"{WARM_MAX_ITERS})")
     if (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
             or tol <= 0):
         raise ValueError(f"tol must be a finite number > 0, got {tol!r} (e.g. 1e-7)")
     H, _, b = W.shape
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.detach().to(dtype)
-    start = start_vector(H, b, seed=seed, dtype=dtype, device=W.device)
+    # Drawn only when needed: a warm start rarely uses it, and drawing it costs 0.5 ms
+    # per layer on CPU (80 layers: benchmarks/bench_scale.py).
+    def start() -> torch.Tensor:
+        return start_vector(H, b, seed=seed, dtype=dtype, device=W.device)
+
     if v is None:
-        cold, v = True, start
+        cold, v = True, start()
     else:
         if not isinstance(v, torch.Tensor):
             raise TypeError(f"v must be a torch.Tensor [H, b] or None, got {type(v).__name__}")
@@ -82,10 +89,12 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
         cold, v = False, v.detach().to(device=W.device, dtype=dtype)
         # A stale vector that is zero or non-finite cannot be iterated: restart it.
         bad = ~torch.isfinite(v).all(dim=1) | (v.norm(dim=1) == 0)
-        v = torch.where(bad[:, None], start, v / v.norm(dim=1, keepdim=True).clamp_min(1e-300))
+        v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-300)
+        if bool(bad.any()):
+            v = torch.where(bad[:, None], start(), v)
 
     sigma = torch.zeros(H, dtype=dtype, device=W.device)
-    n_iters = COLD_START_MAX_ITERS if cold else max(iters, WARM_MAX_ITERS)
+    n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
     for i in range(n_iters):
         u = torch.bmm(W, v[:, :, None])[:, :, 0]  # W v
         new_sigma = u.norm(dim=1)
@@ -101,5 +110,6 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
     sigma = torch.bmm(W, v[:, :, None])[:, :, 0].norm(dim=1)
     finite = torch.isfinite(sigma) & torch.isfinite(v).all(dim=1)
     sigma = torch.where(finite, sigma, torch.full_like(sigma, math.nan))
-    v = torch.where(finite[:, None], v, start)
+    if not bool(finite.all()):
+        v = torch.where(finite[:, None], v, start())
     return sigma, v

@@ -11,8 +11,9 @@ One monitored optimizer step, end to end (docs/design.md §2):
             flashwatch's own kernel ran, also c[T] on every row from the kernel's FP32 O
             (Σc, Σc² then cover all rows); a post-accumulate-grad hook on the Q
             projection's weight keeps ‖dW^Q_h‖² of the step for delta_error_share.
-  step()    once per optimizer step: W^Q spectral norms, one packed all_gather across
-            ranks, signals, policy, new modes from the next step, a StepReport to sinks.
+  step()    once per optimizer step: W^Q spectral norms, one SUM and one MAX all_reduce
+            across ranks (constant size in the world size), signals, policy, new
+            modes from the next step, a StepReport to sinks.
 Failures inside flashwatch are logged once, counted and never raised into training.
 """
 
@@ -31,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flashwatch import dispatch as _dispatch_mod
-from flashwatch import probe
+from flashwatch import probe, reduce
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
@@ -627,13 +628,21 @@ class Watcher:
             try:
                 with torch.no_grad():
                     s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
-                                                    cfg.power_iters)
+                                                    cfg.power_iters,
+                                                    max_iters=cfg.power_max_iters)
                 sigma[sl] = s.double().cpu()
             except Exception as e:
                 self._error(f"spectral norm {st.site.name}", e)
             st.reset(k)
-        tied, rows, max_logit, delta_sum, G, grad_rows, extra = _all_reduce(
-            tied, rows, max_logit, delta_sum, G, grad_rows, extra)
+        # One SUM and one MAX all_reduce (flashwatch/reduce.py); a new summed or maxed
+        # per-head quantity is one more entry here (or one more row of `extra`).
+        sums, maxes = reduce.all_reduce(
+            dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G,
+                 extra=extra),
+            dict(max_logit=max_logit))
+        tied, rows, delta_sum, grad_rows, G, extra = (
+            sums[k] for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
+        max_logit = maxes["max_logit"]
         delta_sq, delta_rows, delta_missed, share_num, share_rows, wq_grad_sq, guarded = extra
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
@@ -656,29 +665,25 @@ class Watcher:
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
         clips = self._safe_qk_clip(step, max_logit, new_modes)
-        records = []
-        for i, (layer, head) in enumerate(self._heads):
-            records.append(HeadRecord(
-                layer=layer, head=head,
-                tied_rowmax_ratio=float(tie_ratio[i]),
-                attention_max_logit=float(max_logit[i]),
-                delta_error_sum=float(delta_sum[i]),
-                delta_error_rows=float(delta_rows[i]),
-                delta_error_all_rows=bool(delta_rows[i] > 0 and delta_missed[i] == 0),
-                delta_sign_z=float(values.delta_sign_z[i]),
-                delta_error_share=float(share[i]),
-                delta_error_share_mean=float(values.delta_error_share_mean[i]),
-                delta_error_share_std=float(values.delta_error_share_std[i]),
-                guarded_rows=int(guarded[i]),
-                r_projection=float(values.r_projection[i]),
-                r_projection_cumulative=float(values.r_projection_cumulative[i]),
-                delta_drift_z=float(values.delta_drift_z[i]),
-                delta_coherence=float(values.delta_coherence[i]),
-                wq_spectral_norm=float(sigma[i]),
-                head_mode=Mode(int(new_modes[i])),
-                recommended_mode=Mode(int(decision.recommended[i])),
-                flagged=bool(decision.flagged[i]),
-            ))
+        # One tolist() per field, not a tensor index per head and field (5,120 heads:
+        # benchmarks/bench_scale.py); a new per-head field is one more entry here.
+        columns = {k: v.tolist() for k, v in dict(
+            tied_rowmax_ratio=tie_ratio, attention_max_logit=max_logit,
+            delta_error_sum=delta_sum, delta_error_rows=delta_rows,
+            delta_error_all_rows=(delta_rows > 0) & (delta_missed == 0),
+            delta_sign_z=values.delta_sign_z, delta_error_share=share,
+            delta_error_share_mean=values.delta_error_share_mean,
+            delta_error_share_std=values.delta_error_share_std,
+            guarded_rows=guarded.long(), r_projection=values.r_projection,
+            r_projection_cumulative=values.r_projection_cumulative,
+            delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
+            wq_spectral_norm=sigma).items()}
+        modes_now, recommended = new_modes.tolist(), decision.recommended.tolist()
+        flagged = decision.flagged.tolist()
+        records = [HeadRecord(layer=layer, head=head, **{k: v[i] for k, v in columns.items()},
+                              head_mode=Mode(modes_now[i]), recommended_mode=Mode(recommended[i]),
+                              flagged=bool(flagged[i]))
+                   for i, (layer, head) in enumerate(self._heads)]
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
         events = self._unreported + list(decision.events) + clips
@@ -712,32 +717,6 @@ class Watcher:
         if key not in st.warned:
             st.warned.add(key)
             log.warning(message)
-
-
-def _all_reduce(tied, rows, max_logit, delta_sum, G, grad_rows, extra):
-    """Sum (max for max_logit) the per-head numbers over ranks in one all_gather.
-    extra [m, n]: more per-head sums."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return tied, rows, max_logit, delta_sum, G, grad_rows, extra
-    n = tied.numel()
-    packed = torch.cat([tied, rows, delta_sum, grad_rows, extra.flatten(), G.flatten(),
-                        max_logit])
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    packed = packed.to(device)
-    gathered = [torch.empty_like(packed) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, packed)
-    stacked = torch.stack(gathered).cpu()
-    summed = stacked[:, :-n].sum(0)
-    max_logit = stacked[:, -n:].amax(0)
-    tied, rows, delta_sum, grad_rows = summed[:4 * n].view(4, n)
-    m = extra.shape[0]
-    extra = summed[4 * n:(4 + m) * n].view_as(extra)
-    G = summed[(4 + m) * n:].view_as(G)
-    return tied, rows, max_logit, delta_sum, G, grad_rows, extra
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,

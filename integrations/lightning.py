@@ -101,6 +101,7 @@ class FlashWatchCallback(pl.Callback):
         min_history: int = 16,
         verify_steps: int = 32,
         power_iters: int = 4,
+        power_max_iters: int = 100,
         delta_share_threshold: float = 0.1,
         delta_share_steps: int = 8,
         beta_max_excess: float = 60.0,

@@ -7,11 +7,8 @@ import math
 
 import flashwatch
 from flashwatch.kernels.common import Mode
-from flashwatch.report import StepReport
+from flashwatch.report import LAYER_MAX, StepReport
 
-# Per-layer summaries: (report field, reduction over the layer's heads) -> "<field>_max".
-LAYER_MAX = ("tied_rowmax_ratio", "attention_max_logit", "delta_drift_z", "delta_coherence",
-             "wq_spectral_norm", "delta_error_share")
 # Per worst head and per head (opt-in): these fields, under their own names.
 HEAD_KEYS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
              "r_projection_cumulative", "delta_drift_z", "delta_coherence", "wq_spectral_norm")
@@ -93,17 +90,10 @@ def logged_metrics(report: StepReport, watcher: flashwatch.Watcher, *, top_k: in
         "flashwatch/heads_not_standard": sum(h.head_mode != Mode.STANDARD
                                              for h in report.heads),
     }
-    layers: dict[str, list] = {}
-    for h in report.heads:
-        layers.setdefault(h.layer, []).append(h)
-    for layer, heads in layers.items():
-        for field in LAYER_MAX:
-            values = [getattr(h, field) for h in heads if not math.isnan(getattr(h, field))]
-            if values:
-                m[f"flashwatch/{layer}/{field}_max"] = max(values)
-        m[f"flashwatch/{layer}/heads_not_standard"] = sum(h.head_mode != Mode.STANDARD
-                                                          for h in heads)
-        m[f"flashwatch/{layer}/heads_flagged"] = sum(h.flagged for h in heads)
+    layers = report.layer_summaries()  # NaN maxima are left out below
+    for layer, summary in layers.items():
+        for key in (*(f"{f}_max" for f in LAYER_MAX), "heads_not_standard", "heads_flagged"):
+            m[f"flashwatch/{layer}/{key}"] = summary[key]
     index = {layer: i for i, layer in enumerate(layers)}
     for i, h in enumerate(report.worst(top_k), start=1):
         for field in HEAD_KEYS:

@@ -10,21 +10,24 @@ import shutil
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
-from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
+from flashwatch.integrations.prometheus import HEAD_GAUGES, METRIC_NAMES, PrometheusSink, render
 from livejob import SMALL, TinyTrainer, free_port, prometheus_server
 
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
+_GAUGE_FIELDS = [f for f, _ in HEAD_GAUGES]
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
 
 
@@ -178,6 +181,106 @@ def _non_loopback_ip() -> str | None:
         except OSError:
             return None
     return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def test_other_ranks_serve_only_their_own_series_by_default():
+    heads = [HeadRecord(layer="l", head=h, delta_drift_z=1.0) for h in range(3)]
+    switch = Event(step=5, layer="l", head=1, from_mode=Mode.STANDARD, to_mode=Mode.BETA,
+                   reason="test", applied=True)
+    report = StepReport(step=5, heads=heads, events=[switch], monitor_seconds=0.25,
+                        monitor_errors_total=2)
+    served = {}
+    for rank, all_ranks in ((0, False), (1, False), (1, True)):
+        sink = PrometheusSink(port=0, rank=rank, per_head_all_ranks=all_ranks)
+        try:
+            sink.write(report)
+            served[rank, all_ranks] = _samples(_scrape(sink.url))
+        finally:
+            sink.close()
+    local = ["flashwatch_monitor_errors_total", "flashwatch_monitor_seconds",
+             "flashwatch_monitor_step"]
+    assert sorted(served[0, False]) == sorted(served[1, True]) == sorted(METRIC_NAMES)
+    assert sorted(served[1, False]) == local  # after the reduction heads are rank 0's
+    assert served[1, False]["flashwatch_monitor_seconds"][0].value == 0.25
+    assert served[1, False]["flashwatch_monitor_errors_total"][0].value == 2
+    assert len(served[1, True]["flashwatch_delta_drift_z"]) == 3
+
+
+def test_render_is_byte_for_byte_prometheus_clients_text_format():
+    odd = 'a"b\\c\nd'  # a quote, a backslash and a newline in a layer name
+    values = [math.nan, math.inf, -math.inf, 1e22, 1234567.5, 0.1, -3.0, 7e-9]
+    heads = [HeadRecord(layer=layer, head=h, **dict(zip(_GAUGE_FIELDS, values[h:] + values[:h],
+                                                        strict=False)))
+             for layer in ("model.layers.0.self_attn", odd) for h in range(4)]
+    switch = Event(step=9, layer=odd, head=1, from_mode=Mode.STANDARD, to_mode=Mode.FP32_O,
+                   reason="test", applied=True)
+    sink = PrometheusSink(start_server=False)
+    expected_empty = generate_latest(sink.registry)
+    assert render(None) == expected_empty  # before the first report: families only
+    sink.write(StepReport(step=9, heads=heads, events=[switch], monitor_seconds=0.5,
+                          monitor_errors_total=3))
+    page, gzipped = sink._page_for("")
+    assert not gzipped and page == generate_latest(sink.registry)
+    assert "1.2345675e+06" in page.decode() and "+Inf" in page.decode()
+
+
+def _idle_connections(port: int, n: int) -> list[socket.socket]:
+    """n clients that connect and send nothing."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+
+
+def test_idle_connections_do_not_delay_a_scrape():
+    sink = PrometheusSink(port=0)  # timeout 5 s: served in turn, 4 idle would cost 20 s
+    idle = []
+    try:
+        sink.write(StepReport(step=7, heads=[HeadRecord(layer="l", head=0)]))
+        _scrape(sink.url)  # the page is rendered and cached
+        idle = _idle_connections(sink.port, 4)
+        t0 = time.monotonic()
+        samples = _samples(_scrape(sink.url))
+        elapsed = time.monotonic() - t0
+    finally:
+        for c in idle:
+            c.close()
+        sink.close()
+    assert samples["flashwatch_monitor_step"][0].value == 7
+    assert elapsed < 1.0, f"a scrape waited {elapsed:.2f} s behind idle connections"
+
+
+def _exporter_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("flashwatch-prometheus-")]
+
+
+def test_a_flood_of_connections_keeps_threads_bounded_then_scrapes_again():
+    sink = PrometheusSink(port=0, max_threads=3)
+    flood = []
+    try:
+        sink.write(StepReport(step=1))
+        before = len(threading.enumerate())
+        flood = _idle_connections(sink.port, 30)
+        deadline = time.monotonic() + 30
+        while sink._httpd.refused < 27 and time.monotonic() < deadline:  # accept loop
+            time.sleep(0.05)
+        assert sink._httpd.refused == 27  # closed at once, each costs no thread
+        assert len(_exporter_threads()) == 3
+        assert len(threading.enumerate()) <= before + 3
+        for c in flood:  # the held connections end: their threads are free again
+            c.close()
+        while sink._httpd._busy and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _samples(_scrape(sink.url))["flashwatch_monitor_step"][0].value == 1
+        assert len(_exporter_threads()) == 3  # reused, not one per connection
+    finally:
+        for c in flood:
+            c.close()
+        sink.close()
+
+
+def test_bad_server_options_are_clear_errors():
+    with pytest.raises(ValueError, match="max_threads must be an int ≥ 1, got 0"):
+        PrometheusSink(port=0, max_threads=0)
+    with pytest.raises(ValueError, match="timeout must be .* got -1"):
+        PrometheusSink(port=0, timeout=-1)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make "

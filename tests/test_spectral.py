@@ -54,6 +54,15 @@ def test_warm_start_tracks_a_slowly_changing_matrix():
         assert _rel(sigma, _exact(W)) < 1e-3
 
 
+def test_max_iters_caps_a_warm_start():
+    W = _low_rank_plus_noise(8, 64, 256, seed=3)
+    _, v = power_iteration(W, None)
+    turned = W.flip(-1)  # the previous vector is now a poor start
+    capped, _ = power_iteration(turned, v, iters=1, max_iters=1)
+    free, _ = power_iteration(turned, v, iters=1)
+    assert _rel(free, _exact(turned)) < 1e-3 < _rel(capped, _exact(turned))
+
+
 def test_low_precision_and_float64_inputs():
     W = _low_rank_plus_noise(4, 32, 128, seed=4)
     s16, v16 = power_iteration(W.bfloat16(), None)
@@ -92,6 +101,8 @@ def test_deterministic():
     (lambda: power_iteration(torch.randn(2, 3, 4), torch.randn(2, 3)), ValueError, ["v", "[2, 4]"]),
     (lambda: power_iteration(torch.randn(2, 3, 4), None, iters=0), ValueError, ["iters"]),
     (lambda: power_iteration(torch.randn(2, 3, 4), None, tol=-1.0), ValueError, ["tol"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), None, max_iters=0), ValueError,
+     ["max_iters"]),
 ])
 def test_bad_arguments_are_named(call, exc, words):
     with pytest.raises(exc) as info:
