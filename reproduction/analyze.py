@@ -179,6 +179,58 @@ def compare(root: Path, config: str, img: Path) -> str:
     return _arm_summary(rows) + "\n\n" + "\n".join(lines)
 
 
+def twins(root: Path, config: str) -> str:
+    """The paper arithmetic against its twins, seed by seed: `config` (arms unmitigated
+    and fp32_delta: same forward, δ from an FP32 O) and `config`-fused (flashwatch's fused
+    kernel arithmetic). Final loss = mean of the last 100 steps; gap = against the fused
+    twin of the same seed (same data and initialisation)."""
+    arms = {"paper": root / config / "unmitigated-s{}", "fp32_delta": root / config /
+            "fp32_delta-s{}", "fused": root / f"{config}-fused" / "unmitigated-s{}"}
+    seeds = sorted({int(d.name.rsplit("-s", 1)[1]) for d in (root / config).glob("*-s*")
+                    if (d / "summary.json").is_file()})
+    runs: dict[str, dict[int, dict]] = {a: {} for a in arms}
+    for arm, pattern in arms.items():
+        for seed in seeds:
+            d = Path(str(pattern).format(seed))
+            if (d / "summary.json").is_file():
+                summ = json.loads((d / "summary.json").read_text())
+                train = [json.loads(x) for x in (d / "train.jsonl").read_text().splitlines()]
+                runs[arm][seed] = dict(final=summ["final_loss_mean_last100"],
+                                       spike=summ["spike_step"],
+                                       rise=largest_rise([r["loss"] for r in train]),
+                                       gmax=max(r["grad_norm"] for r in train))
+    lines = ["| seed | " + " | ".join(f"{a} final (rise)" for a in arms) +
+             " | paper − fused | fp32_delta − fused |", "|" + "---|" * (len(arms) + 3)]
+    gaps: dict[str, list[float]] = {"paper": [], "fp32_delta": []}
+    for seed in seeds:
+        cells = []
+        for arm in arms:
+            r = runs[arm].get(seed)
+            cells.append("–" if r is None else f"{_f(r['final'])} ({_f(r['rise'])})")
+        gap = []
+        for arm in gaps:
+            a, b = runs[arm].get(seed), runs["fused"].get(seed)
+            if a and b and math.isfinite(a["final"]) and math.isfinite(b["final"]):
+                gaps[arm].append(a["final"] - b["final"])
+                gap.append(f"{a['final'] - b['final']:+.2f}")
+            else:
+                gap.append("–")
+        lines.append(f"| {seed} | " + " | ".join(cells + gap) + " |")
+    out = ["| arm | runs | spiked | median final loss | median gap to fused | "
+           "largest gradient norm, median |", "|---|---|---|---|---|---|"]
+    for arm in arms:
+        rs = list(runs[arm].values())
+        if not rs:
+            continue
+        finals = sorted(r["final"] for r in rs)
+        g = sorted(gaps.get(arm, []))
+        gm = sorted(r["gmax"] for r in rs)
+        out.append(f"| {arm} | {len(rs)} | {sum(r['spike'] is not None for r in rs)} | "
+                   f"{finals[len(finals) // 2]:.2f} | "
+                   f"{(f'{g[len(g) // 2]:+.2f}' if g else '–')} | {gm[len(gm) // 2]:.3g} |")
+    return "\n".join(out) + "\n\n" + "\n".join(lines)
+
+
 def _arm_summary(rows) -> str:
     """One line per arm: how many runs spiked, diverged, were warned in time."""
     out = ["| arm | runs | spiked | not finite | alert before the spike | final loss "
@@ -268,14 +320,17 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m reproduction.analyze", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("search", "compare"))
+    p.add_argument("what", choices=("search", "compare", "twins"))
     p.add_argument("--root", type=Path, default=Path("runs/repro"))
     p.add_argument("--config")
     p.add_argument("--img", type=Path, default=Path("docs/img"))
     a = p.parse_args(argv)
-    if a.what == "compare" and not a.config:
-        p.error("compare needs --config")
-    print(search(a.root, a.img) if a.what == "search" else compare(a.root, a.config, a.img))
+    if a.what in ("compare", "twins") and not a.config:
+        p.error(f"{a.what} needs --config")
+    if a.what == "twins":
+        print(twins(a.root, a.config))
+    else:
+        print(search(a.root, a.img) if a.what == "search" else compare(a.root, a.config, a.img))
     return 0
 
 

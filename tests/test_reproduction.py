@@ -170,3 +170,34 @@ def test_largest_rise_measures_the_worst_spike():
     bumped = base[:100] + [2.6] * 100 + [2.0] * 100  # EMA climbs to ≈ 0.6 above best
     assert 0.59 < analyze.largest_rise(bumped) < 0.6
     assert math.isinf(analyze.largest_rise(base + [math.nan]))
+
+
+def test_twins_table_gaps_are_against_the_fused_run_of_the_same_seed(tiny_runs):
+    root, out = tiny_runs
+    fused = R.run("nope-grammar-fused", "unmitigated", 0,
+                  root / "nope-grammar-fused" / "unmitigated-s0", dict(TINY),
+                  stream=io.StringIO())
+    table = analyze.twins(root, "nope-grammar")
+    (row,) = [r.split("|") for r in table.split("\n\n")[1].splitlines()[2:]]
+    assert row[1].strip() == "0"
+    want = out["unmitigated"]["final_loss_mean_last100"] - fused["final_loss_mean_last100"]
+    assert row[5].strip() == f"{want:+.2f}"
+    want = out["fp32_delta"]["final_loss_mean_last100"] - fused["final_loss_mean_last100"]
+    assert row[6].strip() == f"{want:+.2f}"
+
+
+def test_checkpoints_sign_statistic_is_bounded_by_the_batch_count(tiny_runs):
+    from reproduction import checkpoints
+
+    root, _ = tiny_runs
+    run = root / "nope-grammar" / "unmitigated-s0"
+    assert checkpoints.checkpoints(run) == [(TINY["steps"], run / "model.pt")]
+    for batches in (1, 4):
+        rows = checkpoints.measure_run(run, batches)
+        assert len(rows) == TINY["n_layer"] * TINY["n_head"]
+        for r in rows:
+            # z = Σ S_b / sqrt(Σ S_b²): exactly ±1 for one batch, |z| ≤ sqrt(batches)
+            if batches == 1:
+                assert abs(r["sign_z"]) == pytest.approx(1.0)
+            assert abs(r["sign_z"]) <= math.sqrt(batches) + 1e-9
+            assert r["rel_error"] >= 0 and r["step"] == TINY["steps"]
