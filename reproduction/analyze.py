@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from flashwatch.runreport import load_run
-from reproduction.run import CONFIGS, loss_ema
+from reproduction.run import ARMS, CONFIGS, loss_ema
 
 DRIFT_Z = 4.0  # WatchConfig.drift_z_threshold
 LOGIT = 100.0  # a QK-clip style signal, not part of flashwatch's policy: for comparison
@@ -159,7 +159,7 @@ def compare(root: Path, config: str, img: Path) -> str:
     if not dirs:
         raise SystemExit(f"no runs under {root / config}")
     rows = [run_stats(d) for d in dirs]
-    order = {"unmitigated": 0, "auto": 1, "fp32_o": 2, "beta": 3, "fp32_delta": 4}
+    order = {arm: i for i, arm in enumerate(ARMS)}
     rows.sort(key=lambda r: (order[r["arm"]], r["seed"]))
     lines = ["| arm | seed | best → final loss | spike step | first alert (reason) | lead | "
              "heads flagged | top W^Q growth heads | flagged ∩ top growth | max abs z | "
@@ -261,7 +261,7 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 
     img.mkdir(parents=True, exist_ok=True)
     colors = {"unmitigated": "tab:red", "auto": "tab:blue", "fp32_o": "tab:green",
-              "beta": "tab:purple", "fp32_delta": "tab:orange"}
+              "beta": "tab:purple", "fp32_delta": "tab:orange", "qk_clip": "tab:brown"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     seen = set()
     for r in rows:

@@ -13,6 +13,9 @@ document names the command that reruns it. Arms:
                takes δ from the FP32 accumulation of O (reproduction/fp32_delta.py);
                paper backend only. The watcher measures SDPA's output here, so its δ
                metrics describe the forward's O, not the δ training used.
+  qk_clip      per-head QK-clip at τ = 100 after every step (every_n_steps=1, exact max
+               logits from the routed kernel), head modes left alone: QK-clip only acts in
+               mitigation="auto", so the mode rules are given thresholds they never reach.
 Attention runs through the watcher with route_all=True on the configuration's backend
 ("paper": the BF16 arithmetic of the paper's implementation; "reference": a fused
 FlashAttention-2 kernel's arithmetic), so the arms use the same kernel and differ only
@@ -43,7 +46,8 @@ from flashwatch.demo import make_corpus
 from flashwatch.sinks import JsonlSink
 from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 
-ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta")
+ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta", "qk_clip")
+QK_CLIP_TAU = 100.0  # Megatron-LM's --qk-clip-threshold default
 
 # Defaults shared by every configuration; a configuration overrides some of them.
 BASE = dict(n_layer=4, n_head=4, n_embd=64, block=64, batch=8, position_embedding=False,
@@ -182,10 +186,12 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
                             weight_decay=s["weight_decay"])
     data = make_data(s, seed)
     gen = torch.Generator().manual_seed(seed)
-    mitigation = "auto" if arm == "auto" else "advise"
+    mitigation = "auto" if arm in ("auto", "qk_clip") else "advise"
+    clip = dict(qk_clip_threshold=QK_CLIP_TAU, delta_share_threshold=1e9,
+                drift_z_threshold=1e9, spectral_growth_threshold=1e9) if arm == "qk_clip" else {}
     watcher = fw.watch(model, sinks=[JsonlSink(out / "flashwatch.jsonl")],
-                       mitigation=mitigation, every_n_steps=s["every"], seed=seed,
-                       backend=s["backend"], route_all=arm != "fp32_delta")
+                       mitigation=mitigation, every_n_steps=1 if clip else s["every"],
+                       seed=seed, backend=s["backend"], route_all=arm != "fp32_delta", **clip)
     route = RouteSDPA() if arm == "fp32_delta" else contextlib.nullcontext()
     Fp32DeltaAttention.fp32_delta = arm == "fp32_delta"
     if arm in ("fp32_o", "beta"):
@@ -219,7 +225,8 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
                 for h in report.heads:
                     spectral.setdefault(f"{h.layer}/{h.head}", []).append(
                         (report.step, h.wq_spectral_norm))
-                advice = [e for e in report.events if e.reason != "set by user"]
+                advice = [e for e in report.events
+                          if e.kind == "mode" and e.reason != "set by user"]
                 if advice and first_alert is None:
                     first_alert = {"step": report.step,
                                    "heads": [f"{e.layer}/{e.head}" for e in advice],
@@ -241,7 +248,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     growth = {k: v[-1][1] / v[0][1] for k, v in spectral.items() if v and v[0][1] > 0}
     top = sorted(growth, key=growth.get, reverse=True)[:4]
     flagged = sorted({f"{e.layer}/{e.head}" for e in watcher.events
-                      if e.reason != "set by user"})
+                      if e.kind == "mode" and e.reason != "set by user"})
     med = {k: (sorted(v)[len(v) // 2] if v else None) for k, v in times.items()}
     summary = {
         "config": config, "arm": arm, "seed": seed, "settings": s, "model": asdict(gcfg),
@@ -261,6 +268,7 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
         "monitored_over_plain": (med["monitored"] / med["plain"])
         if med["monitored"] and med["plain"] else None,
         "monitor_errors_total": watcher.monitor_errors_total,
+        "qk_clips_total": sum(e.kind == "qk_clip" and e.applied for e in watcher.events),
         "final_modes": {k: [m.name for m in v] for k, v in watcher.head_modes().items()},
     }
     watcher.remove()
