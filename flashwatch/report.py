@@ -50,7 +50,7 @@ class HeadRecord:
     # term), from Σ_T ‖e_T‖² (scaled by rows / sampled rows): unbiased for E[‖E‖²] when
     # row errors add incoherently, low when they line up. Healthy ≪ 0.05.
     delta_error_share: float = math.nan
-    delta_error_share_mean: float = math.nan  # sqrt(mean of share²) over the window
+    delta_error_share_mean: float = math.nan  # sqrt(Σ‖E‖² / Σ‖dW^Q‖²) over the window
     delta_error_share_std: float = math.nan  # spread of the per-step values in the window
     guarded_rows: int = 0  # BETA rows whose shift hit the underflow guard, this step
     head_mode: Mode = Mode.STANDARD

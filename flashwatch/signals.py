@@ -22,9 +22,12 @@ W^Q gradient error and the W^Q spectral norm σ. From them:
                            per-row signal-to-noise r over M rows per step. Rows of one
                            sequence share dO and keys, so it is not a calibrated alarm:
                            reported, not used by the policy.
-  delta_error_share_mean   sqrt of the window mean of share² (the square is what the
+  delta_error_share_mean   sqrt(Σ_W ‖E‖² / Σ_W ‖dW^Q‖²): the window's share², each step
+                           weighted by its gradient energy (the square is what the
                            estimator gets right on average: a single sampled step is
-                           skewed low), and the spread of the per-step shares
+                           skewed low; the weight keeps a step whose W^Q gradient is
+                           nearly 0 from dominating: seen at 1e10 in unweighted RMS
+                           windows of lr 3e-2 runs), and the spread of the per-step shares
   delta_error_share_std    (their standard deviation over the window's steps).
 
 Memory is fixed: C [n, k, k], Σκ [n], ring buffers of the last `window` steps (κ, G,
@@ -124,7 +127,7 @@ class HeadSignals:
     """Online δ-error signals for `n_heads` heads with k×k sketches and a sliding window."""
 
     _TENSORS = ("C", "kappa_cum", "kappa_ring", "g_ring", "g_sum", "gnorm_ring", "sigma_ring",
-                "csum_ring", "csq_ring", "share_ring", "pos", "fill")
+                "csum_ring", "csq_ring", "share_ring", "share_w_ring", "pos", "fill")
 
     def __init__(self, n_heads: int, sketch_dim: int, window: int) -> None:
         self.n_heads = _check_positive_int("n_heads", n_heads)
@@ -144,15 +147,17 @@ class HeadSignals:
         self.csum_ring = torch.zeros(n, w, dtype=F64)  # Σc of each step
         self.csq_ring = torch.zeros(n, w, dtype=F64)  # Σc² of each step
         self.share_ring = torch.full((n, w), float("nan"), dtype=F64)
+        self.share_w_ring = torch.ones(n, w, dtype=F64)  # each step's ‖dW^Q‖² (its weight)
         self.pos = torch.zeros(n, dtype=torch.int64)
         self.fill = torch.zeros(n, dtype=torch.int64)
         self._rows = torch.arange(n)
 
     def update(self, G: torch.Tensor, sigma: torch.Tensor, csum=None, csq=None,
-               share=None) -> SignalValues:
+               share=None, share_weight=None) -> SignalValues:
         """Add one monitored step: G [n, k, k] (non-finite = no data), sigma [n] (NaN =
-        unknown); optional csum, csq [n] (Σc, Σc² over the step's rows; non-finite = 0)
-        and share [n] (delta_error_share of the step, NaN = unknown)."""
+        unknown); optional csum, csq [n] (Σc, Σc² over the step's rows; non-finite = 0),
+        share [n] (delta_error_share of the step, NaN = unknown) and share_weight [n]
+        (the step's ‖dW^Q‖², the weight of its share² in the window; None = 1)."""
         n, k = self.n_heads, self.sketch_dim
         G = self._as_f64("G", G, (n, k, k))
         sigma = self._as_f64("sigma", sigma, (n,))
@@ -160,6 +165,9 @@ class HeadSignals:
         csum = nan if csum is None else self._as_f64("csum", csum, (n,))
         csq = nan if csq is None else self._as_f64("csq", csq, (n,))
         share = nan if share is None else self._as_f64("share", share, (n,))
+        weight = torch.ones(n, dtype=F64) if share_weight is None else self._as_f64(
+            "share_weight", share_weight, (n,))
+        share = torch.where(torch.isfinite(weight) & (weight > 0), share, nan)
         has = torch.isfinite(G).flatten(1).all(dim=1)  # heads with data this step
         G = torch.where(has[:, None, None], G, torch.zeros_like(G))
 
@@ -184,6 +192,7 @@ class HeadSignals:
         self.csq_ring[idx, slot] = torch.nan_to_num(csq[idx], nan=0.0, posinf=0.0,
                                                     neginf=0.0)
         self.share_ring[idx, slot] = share[idx]
+        self.share_w_ring[idx, slot] = torch.where(torch.isfinite(share[idx]), weight[idx], 1.0)
         self.pos[idx] = (slot + 1) % self.window
         self.fill[idx] = torch.clamp(self.fill[idx] + 1, max=self.window)
         wrapped = idx[self.pos[idx] == 0]  # re-sum exactly once per window
@@ -210,7 +219,11 @@ class HeadSignals:
         c1, c2 = self.csum_ring.sum(dim=1), self.csq_ring.sum(dim=1)
         sign_z = torch.where(c2 > 0, c1 / c2.clamp_min(1e-300).sqrt(), torch.zeros_like(c1))
         share_n = torch.isfinite(self.share_ring).sum(dim=1)
-        share_rms = self.share_ring.square().nanmean(dim=1).sqrt()
+        known = torch.isfinite(self.share_ring)
+        w = torch.where(known, self.share_w_ring, 0.0)
+        share_rms = torch.where(
+            share_n > 0, ((self.share_ring.square() * w).nansum(dim=1)
+                          / w.sum(dim=1).clamp_min(1e-300)).sqrt(), float("nan"))
         share_dev = self.share_ring - self.share_ring.nanmean(dim=1, keepdim=True)
         share_var = share_dev.square().nansum(dim=1) / (share_n - 1).clamp_min(1)
         share_std = torch.where(share_n >= 2, share_var.sqrt(), torch.full_like(share_var,
@@ -247,6 +260,7 @@ class HeadSignals:
         self.csum_ring[m] = 0.0
         self.csq_ring[m] = 0.0
         self.share_ring[m] = float("nan")
+        self.share_w_ring[m] = 1.0
         self.pos[m] = 0
         self.fill[m] = 0
 
@@ -263,6 +277,8 @@ class HeadSignals:
                     f"{getattr(self, name)}; build HeadSignals with the same n_heads, "
                     f"sketch_dim and window as the saved run"
                 )
+        if "share_w_ring" not in sd and "share_ring" in sd:  # saved before weighting: 1
+            sd = {**sd, "share_w_ring": torch.ones_like(sd["share_ring"])}
         for name in self._TENSORS:
             mine = getattr(self, name)
             t = sd.get(name)

@@ -71,6 +71,7 @@ class _SiteState:
     G: torch.Tensor | None = None
     grad_rows: int = 0
     o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
+    o32_paper: bool = False  # ... made by backend="paper", whose δ is a BF16 rowsum
     # per head [H] float64: Σc², rows c covered, rows it missed (sampled calls), the
     # estimate of ‖E‖²_F (see _grad_hook) and ‖dW^Q_h‖²_F of the step's gradient
     delta_sq: torch.Tensor | None = None
@@ -491,6 +492,7 @@ class Watcher:
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32)
         st.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None
+        st.o32_paper = (backend or cfg.backend) == "paper"
         if stats is not None:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
@@ -538,12 +540,12 @@ class Watcher:
                 # δ of these heads came from the kernel's FP32 O; its residual error is at
                 # FP32 rounding, far below what the probe resolves: count it as 0.
                 o_used[:, fp32_heads] = o32[:, fp32_heads]
-            every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads) on every row
+            every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads, BF16 δ)
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
-                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads)
+                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads, st.o32_paper)
             # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is rank 1,
             # ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
             share_w = None
@@ -578,10 +580,14 @@ class Watcher:
                     if share_w is not None:
                         st.share_num += (share_w * c.square()).sum(0).cpu()
                         st.share_rows += len(b)
-                    if every_row is not None:  # c = rowsum(dO ∘ (O_used - O_fp32))
-                        o_all, o32_all, fp32_heads = every_row
-                        c = (grad.float() * (o_all.float() - o32_all)).sum(
-                            -1, dtype=torch.float64)  # [B, H, Nq]
+                    if every_row is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
+                        o_all, o32_all, fp32_heads, bf16_delta = every_row
+                        if bf16_delta:  # the paper backward's δ: product and sum in BF16
+                            c = (grad * o_all).sum(-1).double() - (
+                                grad.float() * o32_all).sum(-1, dtype=torch.float64)
+                        else:
+                            c = (grad.float() * (o_all.float() - o32_all)).sum(
+                                -1, dtype=torch.float64)  # [B, H, Nq]
                         c[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
                         c = c.transpose(0, 1).reshape(c.shape[1], -1).T  # [B·Nq, H]
                     st.delta_sum += c.sum(0).cpu()
@@ -654,7 +660,8 @@ class Watcher:
         # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
         share = (share_num / wq_grad_sq).sqrt()
         share = torch.where((share_rows == 0) | ~(wq_grad_sq > 0), math.nan, share)
-        values = self._signals.update(G, sigma, delta_sum, delta_sq, share)
+        values = self._signals.update(G, sigma, delta_sum, delta_sq, share,
+                                      share_weight=wq_grad_sq)
         modes = torch.cat([st.modes for st in self._states]).long()
         decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
                                        share=share)

@@ -395,18 +395,25 @@ def test_sign_z_and_share_window_match_brute_force():
             share[2] = float("nan")
         if step == 7:
             G[2] = float("nan")
-        vals = sig.update(G, torch.ones(n, dtype=torch.float64), csum, csq, share)
+        weight = torch.rand(n, generator=g, dtype=torch.float64) * 10  # ‖dW^Q‖²
+        if step == 4:
+            weight[1] = 0.0  # no W^Q gradient: that step's share is unknown
+        vals = sig.update(G, torch.ones(n, dtype=torch.float64), csum, csq, share,
+                          share_weight=weight)
         for h in range(n):
             if torch.isfinite(G[h]).all():
-                hist[h].append((csum[h].item(), csq[h].item(), share[h].item()))
+                s = share[h].item() if weight[h] > 0 else math.nan
+                hist[h].append((csum[h].item(), csq[h].item(), s, weight[h].item()))
             last = hist[h][-w:]
-            z = sum(a for a, _, _ in last) / math.sqrt(sum(b for _, b, _ in last))
+            z = sum(a for a, _, _, _ in last) / math.sqrt(sum(b for _, b, _, _ in last))
             assert vals.delta_sign_z[h].item() == pytest.approx(z, rel=1e-12)
-            shares = [s for _, _, s in last if not math.isnan(s)]
+            shares = [s for _, _, s, _ in last if not math.isnan(s)]
             if not shares:
                 assert math.isnan(vals.delta_error_share_mean[h].item())
                 continue
-            rms = math.sqrt(sum(s * s for s in shares) / len(shares))
+            # Σ‖E‖² / Σ‖dW^Q‖² with ‖E‖² = share²·‖dW^Q‖²
+            known = [(s, wt) for _, _, s, wt in last if not math.isnan(s)]
+            rms = math.sqrt(sum(s * s * wt for s, wt in known) / sum(wt for _, wt in known))
             assert vals.delta_error_share_mean[h].item() == pytest.approx(rms, rel=1e-12)
             if len(shares) >= 2:
                 mean = sum(shares) / len(shares)

@@ -639,6 +639,42 @@ def test_own_kernel_delta_sums_cover_every_row_fp64(backend):
     assert h0.delta_sign_z == pytest.approx(float(s1[0] / s2[0].sqrt()), rel=1e-3)
 
 
+def test_paper_backend_delta_error_on_every_row_uses_its_bf16_delta():
+    """backend="paper" sums δ = rowsum(dO ∘ O) in BF16; c on every row is that δ minus
+    rowsum(dO ∘ O_fp32), O_fp32 its own P̄ and α accumulated without rounding (FP64 here).
+    SDPA routed (route_all) runs WatchConfig.backend."""
+    torch.manual_seed(13)
+    B, T, C, H = 2, 16, 32, 2
+    model = _QKV(C, H).bfloat16()
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(B, T, C, generator=g).bfloat16()
+    wgt = torch.randn(B, T, C, generator=g)
+    w = fw.watch(model, sites={"": dict(num_heads=H, q_module="q_proj")}, every_n_steps=1,
+                 rows_per_head=4, backend="paper", route_all=True)
+    (model(x).float() * wgt).sum().backward()
+    report = w.step()
+    w.remove()
+    with torch.no_grad():
+        q, k, v = (p(x).view(B, T, H, -1).transpose(1, 2)
+                   for p in (model.q_proj, model.k_proj, model.v_proj))
+        o = fw.attention(q, k, v, causal=True, backend="paper")
+    s = ((q @ k.transpose(-1, -2)) * (C // H) ** -0.5).float()  # BF16 scores, rounded twice
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    d = (s - s.amax(-1, keepdim=True)).to(torch.bfloat16).float()  # every BF16 op rounds
+    p = torch.exp(d).to(torch.bfloat16).double()  # BF16 P̄
+    o32 = (p @ v.double()) / p.sum(-1, keepdim=True)
+    do = wgt.bfloat16().view(B, T, H, -1).transpose(1, 2)
+    delta = (do.float() * o.float()).to(torch.bfloat16).float().sum(-1).to(torch.bfloat16)
+    c = delta.double() - (do.double() * o32).sum(-1)  # [B, H, T]
+    got = torch.tensor([h.delta_error_sum for h in report.heads], dtype=torch.float64)
+    tol = 1e-3 * c.square().sum().sqrt().item()
+    assert torch.allclose(got, c.sum((0, 2)), rtol=1e-3, atol=tol), (got, c.sum((0, 2)))
+    # the BF16 rowsum matters: c from the BF16 O alone gives other sums
+    c_o = (do.double() * (o.double() - o32)).sum(-1).sum((0, 2))
+    assert not torch.allclose(got, c_o, rtol=1e-2, atol=tol)
+    assert all(h.delta_error_all_rows and h.delta_error_rows == B * T for h in report.heads)
+
+
 def test_foreign_kernel_rows_all_versus_sampled_is_visible():
     torch.manual_seed(12)
     model = GPT(GPTConfig(**SMALL))
