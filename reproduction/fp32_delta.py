@@ -29,6 +29,8 @@ class Fp32DeltaAttention(torch.autograd.Function):
     tied: list = []
     record_c = False  # append each BF16-δ backward's Σ_T c[T] per head [H] (FP64) to `c_sums`
     c_sums: list = []
+    record_rows = False  # append each BF16-δ backward's (q, k, dO, O, O_fp32) to `rows`
+    rows: list = []
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -46,6 +48,8 @@ class Fp32DeltaAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
         mode = Mode.FP32_O if Fp32DeltaAttention.fp32_delta else Mode.STANDARD
+        if Fp32DeltaAttention.record_rows and mode == Mode.STANDARD:
+            Fp32DeltaAttention.rows.append((q, k, do, o, o32))
         if Fp32DeltaAttention.record_c and mode == Mode.STANDARD:
             # c[T] = rowsum(dO ∘ O) − rowsum(dO ∘ O_fp32) on every row, summed per head
             c = (do.double() * (o.double() - o32.double())).sum(-1)
