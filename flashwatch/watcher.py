@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe
 from flashwatch.config import WatchConfig
+from flashwatch.distributed import spectral_norm
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.qkclip import QKClip
@@ -37,7 +38,6 @@ from flashwatch.report import HeadRecord, StepReport
 from flashwatch.signals import HeadSignals
 from flashwatch.sinks import Sink
 from flashwatch.sites import AttentionSite, find_sites
-from flashwatch.spectral import power_iteration
 
 log = logging.getLogger("flashwatch")
 
@@ -553,8 +553,8 @@ class Watcher:
             grad_rows[sl] = float(st.grad_rows)
             try:
                 with torch.no_grad():
-                    s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
-                                                    cfg.power_iters)
+                    # plain or sharded (DTensor) W^Q alike: flashwatch/distributed.py
+                    s, st.power_v = spectral_norm(st.site, st.power_v, cfg.power_iters)
                 sigma[sl] = s.double().cpu()
             except Exception as e:
                 self._error(f"spectral norm {st.site.name}", e)
