@@ -1,4 +1,5 @@
-"""W^Q spectral norms of sharded weights (FSDP2 `fully_shard`, tensor parallel DTensors).
+"""torch.distributed helpers: the world size, and W^Q spectral norms of sharded weights
+(FSDP2 `fully_shard`, tensor parallel DTensors).
 
 `wq_spectral_norm` (docs/design.md §5) must be the unsharded W^Q's whatever the sharding,
 and identical on every rank, since every rank's policy reads it.
@@ -35,6 +36,13 @@ from flashwatch.spectral import (
     power_iteration,
     start_vector,
 )
+
+
+def world_size() -> int:
+    """Ranks of the default process group; 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def is_dtensor(t) -> bool:

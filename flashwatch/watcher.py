@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe
 from flashwatch.config import WatchConfig
-from flashwatch.distributed import spectral_norm
+from flashwatch.distributed import spectral_norm, world_size
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.qkclip import QKClip
@@ -66,6 +66,8 @@ class _SiteState:
     delta_sum: torch.Tensor | None = None
     G: torch.Tensor | None = None
     grad_rows: int = 0
+    # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
+    no_grad_samples: list = field(default_factory=list)
 
     def reset(self, k: int) -> None:
         H = self.site.num_heads
@@ -76,6 +78,7 @@ class _SiteState:
         self.delta_sum = torch.zeros(H, dtype=torch.float64)
         self.G = torch.zeros(H, k, k, dtype=torch.float64)
         self.grad_rows = 0
+        self.no_grad_samples = []
 
 
 class _Interceptor(TorchFunctionMode):
@@ -455,7 +458,7 @@ class Watcher:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self._measuring:
+            if self._measuring and not _recomputing():
                 st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
                               stats.max_logit.cpu())
                 st.stats.rows += stats.rows.cpu()
@@ -464,7 +467,10 @@ class Watcher:
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed):
         t0 = time.perf_counter()
         try:
-            self._probe(st, q, k, v, out, causal, scale, mask, routed)
+            if _recomputing():
+                self._hook_recompute(st, out)
+            else:
+                self._probe(st, q, k, v, out, causal, scale, mask, routed)
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
         self._monitor_seconds += time.perf_counter() - t0
@@ -507,8 +513,28 @@ class Watcher:
                                     f"using q-space sketch terms")
                 z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
             y = pk @ st.omega_a.to(q.device)  # [R, H, k]
+        sample = (b, t, o_used, o32, z, y)
         if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y))
+            out_graph.register_hook(self._grad_hook(st, *sample))
+        else:  # a reentrant checkpoint's first forward: its recompute takes the gradient
+            st.no_grad_samples.append(sample)
+
+    def _hook_recompute(self, st, out):
+        """Activation checkpointing's recompute of a call already counted: count nothing
+        again. Non-reentrant: the first forward's output got the gradient hook, done.
+        Reentrant: the first forward ran without grad and left its sample; the gradient
+        flows through this recomputed output, so hook that sample here. Recomputes run
+        in reverse call order, hence the last sample first."""
+        if not (out.requires_grad and st.no_grad_samples):
+            return
+        b, t, o_used, o32, z, y = st.no_grad_samples.pop()
+        if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
+                                  and o_used.shape[1:] == (out.shape[1], out.shape[3])):
+            self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
+                            f"call's output {tuple(out.shape)} does not fit the sample of "
+                            f"its first forward; its δ error is not measured")
+            return
+        out.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y))
 
     def _grad_hook(self, st, b, t, o_used, o32, z, y):
         def hook(grad):
@@ -561,6 +587,10 @@ class Watcher:
             st.reset(k)
         tied, rows, max_logit, delta_sum, G, grad_rows = _all_reduce(
             tied, rows, max_logit, delta_sum, G, grad_rows)
+        # Each rank's dO is that of its own mean loss, world_size times its rows' share
+        # of the averaged gradient DDP and FSDP step on: sums over rows are divided by
+        # the world size, so they do not change with it (docs/design.md §5).
+        delta_sum, G = delta_sum / world_size(), G / world_size()
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
         max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
@@ -650,6 +680,15 @@ def _all_reduce(tied, rows, max_logit, delta_sum, G, grad_rows):
     tied, rows, delta_sum, grad_rows = summed[:4 * n].view(4, n)
     G = summed[4 * n:].view_as(G)
     return tied, rows, max_logit, delta_sum, G, grad_rows
+
+
+def _recomputing() -> bool:
+    """True in a forward that runs while autograd executes a backward pass: activation
+    checkpointing's recompute (torch.utils.checkpoint, reentrant or not, checkpoint_wrapper,
+    Hugging Face gradient checkpointing), whose first forward was already counted. A
+    plain forward runs outside any graph task (id -1)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,

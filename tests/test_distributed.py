@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -146,3 +147,55 @@ def test_sharded_spectral_norms_on_two_gloo_ranks(tmp_path):
             assert ha["head_mode"] == hb["head_mode"]
             assert abs(ha["wq_spectral_norm"] - hb["wq_spectral_norm"]) <= \
                 1e-5 * ha["wq_spectral_norm"]
+
+
+# ------------------------------------------------------- per-rank normalisation
+
+
+def _global_batch():
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, SMALL["vocab_size"], (8, 17), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _one_step(model, w, x, y):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+    loss.backward()
+    return {(h.layer, h.head): h for h in w.step().heads}
+
+
+def _norm_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    model = DDP(GPT(GPTConfig(**SMALL)))
+    w = fw.watch(model, every_n_steps=1, rows_per_head=8 * 16)  # every row
+    x, y = _global_batch()
+    half = slice(4 * rank, 4 * rank + 4)
+    heads = _one_step(model, w, x[half], y[half])
+    torch.save(heads, os.path.join(out_dir, f"norm{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_sums_over_rows_do_not_change_with_the_world_size(tmp_path):
+    """2 DDP ranks with 4 sequences each report the δ sums of 1 process on all 8."""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1, rows_per_head=8 * 16)
+    alone = _one_step(model, w, *_global_batch())
+    mp.spawn(_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    ranks = [torch.load(tmp_path / f"norm{r}.pt", weights_only=False) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    for key, h in alone.items():
+        got = ranks[0][key]
+        assert abs(h.delta_error_sum) > 0
+        assert got.delta_error_sum == pytest.approx(h.delta_error_sum, rel=1e-3), key
+        assert got.tied_rowmax_ratio == h.tied_rowmax_ratio
