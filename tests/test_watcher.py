@@ -660,3 +660,21 @@ def test_hugging_face_gradient_checkpointing_counts_each_forward_once():
             for key in ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum"):
                 assert ha[key] == pytest.approx(hb[key], rel=1e-6, abs=1e-12), key
             assert math.isfinite(ha["delta_error_sum"])
+
+
+def test_state_moves_between_the_plain_compiled_and_checkpoint_wrapped_model(monkeypatch):
+    """Layer names are canonical: no `_orig_mod.` (torch.compile) and no
+    `_checkpoint_wrapped_module.` (checkpoint_wrapper), so the state loads across them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1)
+    _train(model, w, 2)
+    w.set_head_modes("transformer.h.1.attn", [Mode.BETA, 0, 0, Mode.FP32_O])
+    state = w.state_dict()
+    w.remove()
+    for wrapped in (torch.compile(model), _checkpointed(model, "wrapper")):
+        w2 = fw.watch(wrapped, every_n_steps=1)
+        w2.load_state_dict(state)
+        assert w2.head_modes() == w.head_modes()
+        assert [s.name for s in w2.sites] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+        w2.remove()
