@@ -93,6 +93,20 @@ def _worker(rank, world, init_file, out_dir):
     result["dtensor"] = (sigma, _exact(full.unflatten(0, (3, 5))))
     result["warm"] = fw_dist.spectral_norm(site, v * 0.5 + 0.1, 4)[0]
 
+    # GPT-2's Conv1D shards W^Q's columns: the gathering fallback, found after sharding.
+    import standins
+
+    torch.manual_seed(0)
+    gpt2 = standins.TinyGPT2(standins.GPT2Config())
+    attn2 = gpt2.transformer.h[0].attn
+    full2 = attn2.c_attn.weight.detach().clone()
+    attn2.c_attn.weight = nn.Parameter(distribute_tensor(full2, mesh, [Shard(0)]))
+    site2 = next(s for s in find_sites(gpt2) if s.module is attn2)
+    assert fw_dist.local_wq_rows(site2) is None
+    C, H = full2.shape[0], attn2.num_heads
+    result["conv1d"] = (fw_dist.spectral_norm(site2, None, 4)[0],
+                        _exact(full2.T[:C].unflatten(0, (H, C // H))))
+
     # FSDP2, the watcher attached before and after fully_shard.
     for when in ("before", "after"):
         torch.manual_seed(0)
@@ -129,11 +143,15 @@ def test_sharded_spectral_norms_on_two_gloo_ranks(tmp_path):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=0)
         torch.testing.assert_close(r["warm"].double(), want, rtol=1e-4, atol=0)
     assert torch.equal(r0["dtensor"][0], r1["dtensor"][0])
+    for r in (r0, r1):
+        torch.testing.assert_close(r["conv1d"][0].double(), r["conv1d"][1], rtol=1e-4, atol=0)
     plain = [f"transformer.h.{i}.attn" for i in range(2)]
     for key in ("before", "after", "ddp"):
         sig0, exact, *_ = r0[key]
         assert sorted({layer for layer, _ in sig0}) == plain, key
         assert sig0 == r1[key][0], key  # identical on both ranks
+        if key != "ddp":
+            assert r0[key][2] == r1[key][2], key  # every number and mode of every report
         # DDP runs the plain power iteration, whose warm-start stopping rule (relative
         # change < 1e-6) left 1.3e-3 on one head of this run: 3e-3 there.
         rtol = 3e-3 if key == "ddp" else 1e-3
