@@ -66,6 +66,7 @@ class _SiteState:
     delta_sum: torch.Tensor | None = None
     G: torch.Tensor | None = None
     grad_rows: int = 0
+    sampled: bool = False  # a probed call of this step measured only some of its rows
     # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
 
@@ -78,6 +79,7 @@ class _SiteState:
         self.delta_sum = torch.zeros(H, dtype=torch.float64)
         self.G = torch.zeros(H, k, k, dtype=torch.float64)
         self.grad_rows = 0
+        self.sampled = False
         self.no_grad_samples = []
 
 
@@ -490,6 +492,7 @@ class Watcher:
                 rep = H // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             b, t = probe.sample_rows(self._gen, B, Nq, cfg.rows_per_head)
+            st.sampled = st.sampled or len(b) < B * Nq
             b, t = b.to(q.device), t.to(q.device)
             o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
@@ -565,6 +568,7 @@ class Watcher:
         G = torch.zeros(n, k, k, dtype=torch.float64)
         grad_rows = torch.zeros(n, dtype=torch.float64)
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
+        sampled = torch.zeros(n, dtype=torch.bool)
         for st in self._states:
             sl = slice(st.offset, st.offset + st.site.num_heads)
             if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
@@ -577,6 +581,7 @@ class Watcher:
             delta_sum[sl] = st.delta_sum
             G[sl] = st.G
             grad_rows[sl] = float(st.grad_rows)
+            sampled[sl] = st.sampled
             try:
                 with torch.no_grad():
                     # plain or sharded (DTensor) W^Q alike: flashwatch/distributed.py
@@ -587,10 +592,13 @@ class Watcher:
             st.reset(k)
         tied, rows, max_logit, delta_sum, G, grad_rows = _all_reduce(
             tied, rows, max_logit, delta_sum, G, grad_rows)
-        # Each rank's dO is that of its own mean loss, world_size times its rows' share
-        # of the averaged gradient DDP and FSDP step on: sums over rows are divided by
-        # the world size, so they do not change with it (docs/design.md §5).
-        delta_sum, G = delta_sum / world_size(), G / world_size()
+        # Sums over rows keep their size whatever the world size W (docs/design.md §5).
+        # Each rank's dO is that of its own mean loss, W times its rows' share of the
+        # averaged gradient DDP and FSDP step on: ÷W. Sampled rows: every rank samples
+        # rows_per_head rows, W times one process's count: ÷W again (a mean over ranks).
+        W = world_size()
+        per_rank = torch.where(sampled, float(W * W), float(W)).double()
+        delta_sum, G = delta_sum / per_rank, G / per_rank.view(-1, 1, 1)
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
         max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)

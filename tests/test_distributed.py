@@ -183,7 +183,9 @@ def _one_step(model, w, x, y):
     return {(h.layer, h.head): h for h in w.step().heads}
 
 
-def _norm_worker(rank, world, init_file, out_dir):
+def _norm_worker(rank, world, init_file, out_dir, rows, same_data):
+    """One DDP step on 4 sequences per rank: the global batch's halves, or (same_data)
+    its first 4 on both ranks."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -192,10 +194,10 @@ def _norm_worker(rank, world, init_file, out_dir):
                             world_size=world)
     torch.manual_seed(0)
     model = DDP(GPT(GPTConfig(**SMALL)))
-    w = fw.watch(model, every_n_steps=1, rows_per_head=8 * 16)  # every row
+    w = fw.watch(model, every_n_steps=1, rows_per_head=rows)
     x, y = _global_batch()
-    half = slice(4 * rank, 4 * rank + 4)
-    heads = _one_step(model, w, x[half], y[half])
+    mine = slice(0, 4) if same_data else slice(4 * rank, 4 * rank + 4)
+    heads = _one_step(model, w, x[mine], y[mine])
     torch.save(heads, os.path.join(out_dir, f"norm{rank}.pt"))
     dist.destroy_process_group()
 
@@ -208,8 +210,8 @@ def test_sums_over_rows_do_not_change_with_the_world_size(tmp_path):
     model = GPT(GPTConfig(**SMALL))
     w = fw.watch(model, every_n_steps=1, rows_per_head=8 * 16)
     alone = _one_step(model, w, *_global_batch())
-    mp.spawn(_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
-             join=True)
+    mp.spawn(_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path), 8 * 16, False),
+             nprocs=2, join=True)
     ranks = [torch.load(tmp_path / f"norm{r}.pt", weights_only=False) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     for key, h in alone.items():
@@ -217,3 +219,24 @@ def test_sums_over_rows_do_not_change_with_the_world_size(tmp_path):
         assert abs(h.delta_error_sum) > 0
         assert got.delta_error_sum == pytest.approx(h.delta_error_sum, rel=1e-3), key
         assert got.tied_rowmax_ratio == h.tied_rowmax_ratio
+
+
+def test_sampled_sums_do_not_change_with_the_world_size(tmp_path):
+    """Sampled rows (8 of 64 per call). Both ranks hold the same 4 sequences and draw the
+    same rows, so each rank's sampled sum S is one process's on those 4 sequences. The
+    global batch is the 4 sequences twice, where every row's share of the gradient, and
+    so c, halves: one process on it samples 8 rows of c/2, S/2 in expectation. The two
+    ranks must report S/2, not 2·S (summed over ranks) nor S (÷ world size only)."""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1, rows_per_head=8)
+    x, y = _global_batch()
+    alone = _one_step(model, w, x[:4], y[:4])
+    mp.spawn(_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path), 8, True),
+             nprocs=2, join=True)
+    got = torch.load(tmp_path / "norm0.pt", weights_only=False)
+    for key, h in alone.items():
+        assert abs(h.delta_error_sum) > 0
+        assert got[key].delta_error_sum == pytest.approx(h.delta_error_sum / 2, rel=1e-6), key
