@@ -57,7 +57,8 @@ def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwa
     rows = local_wq_rows(site)
     if rows is not None:
         local, head, group = rows
-        return sharded_power_iteration(local, head, site.num_heads, v, iters, group=group)
+        return sharded_power_iteration(local, head, site.num_heads, v, iters, group=group,
+                                       **kwargs)
     w = site.wq()
     if is_dtensor(w):  # fallback: gather the view of W^Q (module docstring)
         w = w.full_tensor()
@@ -96,13 +97,14 @@ def local_wq_rows(site: AttentionSite):
 
 
 def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
-                            v: torch.Tensor | None, iters: int, *, group=None,
-                            tol: float = 1e-6, seed: int = DEFAULT_SEED
+                            v: torch.Tensor | None, iters: int, tol: float = 1e-6, *,
+                            group=None, seed: int = DEFAULT_SEED,
+                            max_iters: int = WARM_MAX_ITERS
                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """`spectral.power_iteration` for a W^Q whose rows are spread over the ranks of
     `group`: rows [n, b] are this rank's rows, head [n] the head of each. Same warm and
-    cold start rules and stopping test; returns (σ [H], v [H, b]), identical on every
-    rank."""
+    cold start rules, stopping test and arguments; returns (σ [H], v [H, b]), identical
+    on every rank."""
     import torch.distributed as dist
 
     H, b = num_heads, rows.shape[1]
@@ -127,7 +129,7 @@ def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: i
         return packed[:H * b].view(H, b), packed[H * b:]
 
     sigma = torch.zeros(H, dtype=dtype, device=rows.device)
-    n_iters = COLD_START_MAX_ITERS if cold else max(iters, WARM_MAX_ITERS)
+    n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
     for i in range(n_iters):
         w, usq = step(v)
         new_sigma = usq.sqrt()
