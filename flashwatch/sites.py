@@ -31,6 +31,7 @@ wrong numbers for days.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,8 @@ ORIENTATION_RTOL = 0.05
 class AttentionSite:
     """One attention layer and how to read its W^Q.
 
-    name: module path in the model (as in `model.named_modules()`; "" for the root).
+    name: module path in the model (as in `model.named_modules()`; "" for the root);
+      `find_sites` returns it canonical, without wrapper segments (`canonical_name`).
     module: the module whose forward performs the attention call.
     num_heads, num_kv_heads: query heads and key/value heads (equal unless grouped-query).
     head_dim, d_model: per-head width and the width of X.
@@ -147,6 +149,8 @@ def find_sites(
       {module_name: spec} where spec holds `make_site`'s keyword arguments; or a list of
       `AttentionSite`. Explicit sites replace discovery, they are not added to it.
     A module inside a site is never a second site (HF attention contains q_proj, ...).
+    Site names are canonical (`canonical_name`): the same for the model compiled,
+    checkpoint-wrapped or FSDP-wrapped, so a watcher's state moves between them.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,9 +175,12 @@ def find_sites(
             if not isinstance(site, AttentionSite):
                 raise TypeError(f"sites[{i}] must be an AttentionSite, got "
                                 f"{type(site).__name__}; build one with make_site(model, ...)")
-            if _get_submodule(model, site.name) is not site.module:
+            if _get_submodule(model, site.name) is not site.module and not any(
+                    m is site.module and canonical_name(model, n) == site.name
+                    for n, m in model.named_modules()):
                 raise ValueError(f"sites[{i}]: model.{site.name or '<root>'} is not "
-                                 f"site.module; name must be the module's path in this model")
+                                 f"site.module; name must be the module's path in this model "
+                                 f"(or its canonical_name)")
     else:
         raise TypeError(
             "sites must be None, a dict {module_name: dict(num_heads=..., q_module=...)} or "
@@ -185,7 +192,7 @@ def find_sites(
     _check_disjoint(found)
     for site in found:
         check_orientation(site)
-    return found
+    return [_canonical(model, site) for site in found]
 
 
 def make_site(
@@ -278,9 +285,14 @@ def check_orientation(site: AttentionSite) -> None:
     autocast off, and compares q_module(X) − q_module(0) (the bias cancels) with
     einsum(X, wq()). Raises RuntimeError naming the site when they differ. Sites without
     a q_module, or with weights on the meta device, cannot be checked and pass.
+    Sharded weights (DTensor: FSDP2 after `fully_shard`, tensor parallel) are gathered
+    for this one check, and q_module runs on the gathered copies (a collective: every
+    rank discovers its sites together, as it builds its model).
     """
-    w = site.wq()
-    if site.q_module is None or w.device.type == "meta":
+    if site.q_module is None:
+        return
+    w = _gathered(site.wq())
+    if w.device.type == "meta":
         return
     if not w.dtype.is_floating_point:
         raise RuntimeError(f"site {site.name!r}: W^Q has dtype {w.dtype}; flashwatch needs "
@@ -292,7 +304,8 @@ def check_orientation(site: AttentionSite) -> None:
     start, stop = site.q_slice_of_output
     with torch.no_grad(), _autocast_off(w.device.type):
         try:
-            out, zero = site.q_module(x), site.q_module(torch.zeros_like(x))
+            call = _plain_call(site.q_module)
+            out, zero = call(x), call(torch.zeros_like(x))
         except Exception as e:
             raise RuntimeError(
                 f"site {site.name!r}: calling q_module ({type(site.q_module).__name__}) on a "
@@ -465,9 +478,15 @@ def _nothing_found(model: nn.Module, searched: int, rejected: list[str]) -> str:
 def _rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.Tensor]:
     """Getter for output channels [start, stop) of a Linear/Conv1D weight as [out, in].
 
-    It reads `q_module.weight` on every call, so a replaced Parameter is seen too.
+    It reads `q_module.weight` on every call, so a replaced Parameter is seen too. The
+    getter carries `rows_of = (q_module, start, stop)`, so the spectral norm of a
+    sharded weight can work on each rank's own rows (flashwatch/distributed.py).
     """
-    return lambda: _weight_of(q_module)[start:stop]
+    def rows() -> torch.Tensor:
+        return _weight_of(q_module)[start:stop]
+
+    rows.rows_of = (q_module, start, stop)
+    return rows
 
 
 def _weight_of(q_module: nn.Module) -> torch.Tensor | None:
@@ -502,6 +521,49 @@ def _autocast_off(device_type: str):
     if available(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value as a plain tensor (a collective); other tensors as they are."""
+    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
+
+
+def _plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """module's forward, on gathered copies of its DTensor parameters if it has any:
+    outside its FSDP2 forward a sharded module cannot mix them with a plain input."""
+    params = dict(module.named_parameters())
+    if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
+        return module
+    plain = {n: _gathered(p.detach()) for n, p in params.items()}
+    return lambda x: torch.func.functional_call(module, plain, (x,))
+
+
+# Attribute names under which wrappers hold the module they wrap: torch.compile's
+# OptimizedModule, checkpoint_wrapper's CheckpointWrapper, FSDP1's FullyShardedDataParallel.
+WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+# `module` is an ordinary name, so it is dropped only below these wrapper classes.
+MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel")
+
+
+def canonical_name(model: nn.Module, name: str) -> str:
+    """`name` (a path in model.named_modules()) without the segments wrappers add:
+    `_orig_mod` (torch.compile), `_checkpoint_wrapped_module` (checkpoint_wrapper),
+    `_fsdp_wrapped_module` (FSDP1) and DDP's `module`. FSDP2's fully_shard adds none.
+    "_orig_mod.transformer.h.0._checkpoint_wrapped_module.attn" -> "transformer.h.0.attn".
+    """
+    kept, parent = [], model
+    for part in name.split(".") if name else []:
+        wrapper = part in WRAPPER_ATTRS or (
+            part == "module" and type(parent).__name__ in MODULE_WRAPPERS)
+        if not wrapper:
+            kept.append(part)
+        parent = getattr(parent, "_modules", {}).get(part)  # None off the model: kept as is
+    return ".".join(kept)
+
+
+def _canonical(model: nn.Module, site: AttentionSite) -> AttentionSite:
+    name = canonical_name(model, site.name)
+    return site if name == site.name else dataclasses.replace(site, name=name)
 
 
 def _get_submodule(root: nn.Module, path: str) -> nn.Module | None:

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe, reduce
 from flashwatch.config import WatchConfig
+from flashwatch.distributed import spectral_norm, world_size, wq_grad_sq
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.qkclip import QKClip
@@ -41,7 +42,6 @@ from flashwatch.report import HeadRecord, StepReport
 from flashwatch.signals import HeadSignals
 from flashwatch.sinks import Sink
 from flashwatch.sites import AttentionSite, find_sites
-from flashwatch.spectral import power_iteration
 
 log = logging.getLogger("flashwatch")
 
@@ -80,6 +80,11 @@ class _SiteState:
     share_num: torch.Tensor | None = None
     share_rows: int = 0  # sampled rows with X (no X: no share)
     wq_grad_sq: torch.Tensor | None = None
+    wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
+    wq_hooked: object = None  # the Q weight whose gradient hook is registered
+    sampled: bool = False  # a probed call of this step measured only some of its rows
+    # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
+    no_grad_samples: list = field(default_factory=list)
 
     def reset(self, k: int) -> None:
         H = self.site.num_heads
@@ -95,6 +100,8 @@ class _SiteState:
             torch.zeros(H, dtype=torch.float64) for _ in range(4))
         self.share_rows = 0
         self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
+        self.sampled = False
+        self.no_grad_samples = []
 
 
 class _Interceptor(TorchFunctionMode):
@@ -170,10 +177,7 @@ class Watcher:
             if st.site.q_module is not None:
                 self._handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
-                w = getattr(st.site.q_module, "weight", None)
-                if isinstance(st.site.q_module, nn.Linear) and w.requires_grad:
-                    self._handles.append(
-                        w.register_post_accumulate_grad_hook(self._wq_grad_hook(st)))
+                self._hook_wq_grad(st)
 
     # ----------------------------------------------------------------------- public API
 
@@ -392,19 +396,28 @@ class Watcher:
             if not self._measuring or self._removed or param.grad is None:
                 return
             try:
-                a, b = st.site.q_slice_of_output
-                H, D = st.site.num_heads, st.site.head_dim
-                g = param.grad.detach()[a:b].float().reshape(H, D, -1)
-                st.wq_grad_sq = g.square().sum((1, 2)).double().cpu()
+                st.wq_grad_sq, st.wq_grad_averaged = wq_grad_sq(st.site, param.grad)
             except Exception as e:
                 self._error(f"W^Q gradient {st.site.name}", e)
         return hook
 
     def _x_hook(self, st: _SiteState):
-        def hook(module, args):  # cannot fail: one attribute store
+        def hook(module, args):
             if self._measuring and not self._removed and args:
                 st.x = args[0]  # a reference only; rows are taken at the attention call
+                if getattr(module, "weight", None) is not st.wq_hooked:
+                    try:  # the weight was replaced (fully_shard after watch): hook the new one
+                        self._hook_wq_grad(st)
+                    except Exception as e:
+                        self._error(f"W^Q gradient {st.site.name}", e)
         return hook
+
+    def _hook_wq_grad(self, st: _SiteState) -> None:
+        """Hook the Q projection's current weight for ‖dW^Q_h‖² (delta_error_share)."""
+        w = getattr(st.site.q_module, "weight", None)
+        st.wq_hooked = w
+        if isinstance(st.site.q_module, nn.Linear) and w is not None and w.requires_grad:
+            self._handles.append(w.register_post_accumulate_grad_hook(self._wq_grad_hook(st)))
 
     # ------------------------------------------------------------- attention handling
 
@@ -497,7 +510,7 @@ class Watcher:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self._measuring:
+            if self._measuring and not _recomputing():
                 st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
                               stats.max_logit.cpu())
                 st.stats.rows += stats.rows.cpu()
@@ -506,7 +519,10 @@ class Watcher:
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed):
         t0 = time.perf_counter()
         try:
-            self._probe(st, q, k, v, out, causal, scale, mask, routed)
+            if _recomputing():
+                self._hook_recompute(st, out)
+            else:
+                self._probe(st, q, k, v, out, causal, scale, mask, routed)
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
         self._monitor_seconds += time.perf_counter() - t0
@@ -528,6 +544,7 @@ class Watcher:
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
             b, t = probe.sample_rows(self._gen, B, Nq, n_rows)
+            st.sampled = st.sampled or len(b) < B * Nq  # G from some rows only
             b, t = b.to(q.device), t.to(q.device)
             o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
@@ -563,9 +580,29 @@ class Watcher:
                                     f"using q-space sketch terms")
                 z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
             y = pk @ st.omega_a.to(q.device)  # [R, H, k]
+        sample = (b, t, o_used, o32, z, y, every_row, share_w, B * Nq)
         if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, b, t, o_used, o32, z, y, every_row,
-                                                    share_w, B * Nq))
+            out_graph.register_hook(self._grad_hook(st, *sample))
+        else:  # a reentrant checkpoint's first forward: its recompute takes the gradient
+            st.no_grad_samples.append(sample)
+
+    def _hook_recompute(self, st, out):
+        """Activation checkpointing's recompute of a call already counted: count nothing
+        again. Non-reentrant: the first forward's output got the gradient hook, done.
+        Reentrant: the first forward ran without grad and left its sample; the gradient
+        flows through this recomputed output, so hook that sample here. Recomputes run
+        in reverse call order, hence the last sample first."""
+        if not (out.requires_grad and st.no_grad_samples):
+            return
+        sample = st.no_grad_samples.pop()
+        b, t, o_used = sample[:3]
+        if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
+                                  and o_used.shape[1:] == (out.shape[1], out.shape[3])):
+            self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
+                            f"call's output {tuple(out.shape)} does not fit the sample of "
+                            f"its first forward; its δ error is not measured")
+            return
+        out.register_hook(self._grad_hook(st, *sample))
 
     def _grad_hook(self, st, b, t, o_used, o32, z, y, every_row, share_w, n_rows):
         def hook(grad):
@@ -615,6 +652,8 @@ class Watcher:
         # rows behind it, ‖dW^Q_h‖², guarded rows
         extra = torch.zeros(7, n, dtype=torch.float64)
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
+        sampled = torch.zeros(n, dtype=torch.bool)
+        averaged = torch.zeros(n, dtype=torch.bool)  # ‖dW^Q‖² of the averaged gradient
         for st in self._states:
             sl = slice(st.offset, st.offset + st.site.num_heads)
             if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
@@ -631,11 +670,13 @@ class Watcher:
                 st.delta_sq, st.delta_rows, st.delta_missed, st.share_num,
                 torch.full_like(st.share_num, st.share_rows), st.wq_grad_sq,
                 st.stats.guarded_rows.double()])
+            sampled[sl] = st.sampled
+            averaged[sl] = st.wq_grad_averaged
             try:
                 with torch.no_grad():
-                    s, st.power_v = power_iteration(st.site.wq().float(), st.power_v,
-                                                    cfg.power_iters,
-                                                    max_iters=cfg.power_max_iters)
+                    # plain or sharded (DTensor) W^Q alike: flashwatch/distributed.py
+                    s, st.power_v = spectral_norm(st.site, st.power_v, cfg.power_iters,
+                                                  max_iters=cfg.power_max_iters)
                 sigma[sl] = s.double().cpu()
             except Exception as e:
                 self._error(f"spectral norm {st.site.name}", e)
@@ -650,6 +691,17 @@ class Watcher:
             sums[k] for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
         max_logit = maxes["max_logit"]
         delta_sq, delta_rows, delta_missed, share_num, share_rows, wq_grad_sq, guarded = extra
+        # Sums over rows keep their size whatever the world size W (docs/design.md §5).
+        # Each rank's dO is that of its own mean loss, W times its rows' share of the
+        # averaged gradient DDP and FSDP step on: ÷W. Sampled rows: every rank samples
+        # rows_per_head rows, W times one process's count: ÷W again (a mean over ranks).
+        # The sign statistics get the sums ÷W only (Σc²: ÷W²): scale-free, and with the
+        # power of every rank's rows.
+        W = world_size()
+        row_sampled = delta_missed > 0  # Σc from sampled rows (not the kernel's every row)
+        delta_sum_w, delta_sq_w = delta_sum / W, delta_sq / (W * W)
+        delta_sum = delta_sum / torch.where(row_sampled, float(W * W), float(W)).double()
+        G = G / torch.where(sampled, float(W * W), float(W)).double().view(-1, 1, 1)
         no_rows = rows == 0
         tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
         max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
@@ -658,9 +710,13 @@ class Watcher:
         G = torch.where(no_grad.view(-1, 1, 1), math.nan, G)
         # Across ranks: ratio of the rank sums (‖E_r‖² and ‖dW^Q_r‖² of the local
         # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
+        # Under FSDP2 the denominator is the averaged gradient's (each rank its shard):
+        # the numerator then counts every rank's error at the global loss's scale, its
+        # dO being W times that: ÷W².
+        share_num = torch.where(averaged, share_num / (W * W), share_num)
         share = (share_num / wq_grad_sq).sqrt()
         share = torch.where((share_rows == 0) | ~(wq_grad_sq > 0), math.nan, share)
-        values = self._signals.update(G, sigma, delta_sum, delta_sq, share,
+        values = self._signals.update(G, sigma, delta_sum_w, delta_sq_w, share,
                                       share_weight=wq_grad_sq)
         modes = torch.cat([st.modes for st in self._states]).long()
         decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
@@ -724,6 +780,15 @@ class Watcher:
         if key not in st.warned:
             st.warned.add(key)
             log.warning(message)
+
+
+def _recomputing() -> bool:
+    """True in a forward that runs while autograd executes a backward pass: activation
+    checkpointing's recompute (torch.utils.checkpoint, reentrant or not, checkpoint_wrapper,
+    Hugging Face gradient checkpointing), whose first forward was already counted. A
+    plain forward runs outside any graph task (id -1)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,

@@ -40,9 +40,11 @@ class FlashWatchCallback(pl.Callback):
                        prometheus_keyfile are passed to `PrometheusSink`.
 
     Behaviour:
-      setup        (stage "fit") attaches a watcher to pl_module; if no attention layer is
-                   found it warns once and training runs unwatched. A checkpoint's state
-                   loaded before that is applied once the watcher exists.
+      on_fit_start attaches a watcher to pl_module, after `configure_model()` has built
+                   its layers and the strategy has wrapped them (DDP, FSDP); if no
+                   attention layer is found it warns once and training runs unwatched.
+                   A checkpoint's state loaded before that is applied once the watcher
+                   exists.
       each optimizer step: one `watcher.step()`, detected as a change of
                    trainer.global_step at the end of a batch, so accumulate_grad_batches
                    > 1 gives one monitor step per optimizer step, not per micro-batch.
@@ -128,15 +130,17 @@ class FlashWatchCallback(pl.Callback):
         self.config = WatchConfig(**{f: args[f] for f in WatchConfig.__dataclass_fields__})
         shared.set_options(self, "FlashWatchCallback", **{o: args[o] for o in shared.OPTIONS})
         self.watcher: flashwatch.Watcher | None
-        self._pending_state: dict | None = None  # loaded before setup, or left by teardown
+        self._pending_state: dict | None = None  # loaded before on_fit_start, or left by teardown
         self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
         self._latest: StepReport | None = None  # newest report not yet logged
         self._log_failed = False  # logged once
 
     # ---------------------------------------------------------------- Lightning hooks
 
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        self._attach(trainer, pl_module, stage)
+    def on_fit_start(self, trainer, pl_module) -> None:
+        # Not in setup(): Lightning calls configure_model() after it, and models built
+        # for FSDP create their layers there (setup would find none and watch nothing).
+        self._attach(trainer, pl_module)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._seen_step = trainer.global_step  # after a checkpoint restored global_step
@@ -165,8 +169,8 @@ class FlashWatchCallback(pl.Callback):
 
     # ------------------------------------------------------------------------ methods
 
-    def _attach(self, trainer, pl_module, stage: str) -> None:
-        if stage != "fit" or self.watcher is not None:
+    def _attach(self, trainer, pl_module) -> None:
+        if self.watcher is not None:
             return
         try:
             sites = flashwatch.find_sites(pl_module, self.sites)

@@ -347,3 +347,52 @@ def test_two_ddp_ranks_end_with_identical_modes(tmp_path):
     assert r0 == r1
     assert r0["modes"]["tied"] != [Mode.STANDARD] * 2  # the reduced numbers moved both
     assert r0["modes"]["plain"] == [Mode.STANDARD] * 2
+
+
+# ------------------------------------------------------------ configure_model
+
+
+class LitBuiltLate(LitGPT):
+    """Layers built in configure_model(), the pattern Lightning recommends for FSDP."""
+
+    def __init__(self):
+        pl.LightningModule.__init__(self)
+        self.lr = 3e-3
+        self.model = None
+
+    def configure_model(self):
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(**SMALL))
+
+
+def test_layers_built_in_configure_model_are_watched(tmp_path):
+    sink = ListSink()
+    cb = FlashWatchCallback(every_n_steps=1, sinks=[sink])
+    _trainer(tmp_path, [cb], max_steps=3).fit(LitBuiltLate(), _data(3))
+    assert len(sink.reports) == 3
+    assert sorted({h.layer for h in sink.reports[-1].heads}) == LAYERS
+    assert all(math.isfinite(h.wq_spectral_norm) for h in sink.reports[-1].heads)
+
+
+def test_fsdp2_model_parallel_strategy_on_two_cpu_processes(tmp_path):
+    """FSDP2 through Lightning (`ModelParallelStrategy`, fully_shard in configure_model):
+    watched after sharding, W^Q norms of the unsharded weights, identical on both ranks.
+    (Lightning's strategy="fsdp", FSDP1, refuses accelerator="cpu".)"""
+    import subprocess
+    import sys
+
+    job = os.path.join(os.path.dirname(__file__), "fsdp2_job.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, job, str(tmp_path)], check=True, env=env, timeout=600,
+                   cwd=tmp_path)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
+    assert r0["errors"] == r1["errors"] == 0
+    assert len(r0["reports"]) == 3
+    for a, b in zip(r0["reports"], r1["reports"], strict=True):
+        a.pop("monitor_seconds"), b.pop("monitor_seconds")
+        assert a == b
+    for h in r0["reports"][-1]["heads"]:
+        want = r0["exact"][h["layer"]][h["head"]]
+        assert abs(h["wq_spectral_norm"] - want) <= 1e-3 * want, h

@@ -374,8 +374,7 @@ def _dtensor_worker(rank, world, init_file, out_dir):
         factors = torch.linspace(0.3, 1.0, rows - 5, dtype=torch.float64)
         qkclip._mul_channels(dt, 0, 3, factors)
         result[rows] = dt.full_tensor()
-    # FSDP2: sites found before sharding (find_sites after fully_shard fails in its
-    # orientation check: c_attn called on a plain tensor meets DTensor weights);
+    # FSDP2: sites found before sharding (after works too: tests/test_distributed.py);
     # fully_shard keeps the modules, the parameters become DTensors sharded on dim 0.
     try:
         from torch.distributed.fsdp import fully_shard

@@ -293,3 +293,27 @@ def test_a_wq_of_the_wrong_width_is_named():
     with pytest.raises(RuntimeError, match=r"'blocks.0.attn'.*\[1, 2, 16\].*d_model"):
         find_sites(model, sites={"blocks.0.attn": dict(
             num_heads=4, q_module="qkv", wq=torch.zeros(4, 4, 16))})
+
+
+def test_canonical_names_drop_wrapper_segments_only():
+    from flashwatch.sites import canonical_name
+
+    class DistributedDataParallel(nn.Module):  # DDP's name and layout: `.module`
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    class Holder(nn.Module):  # an ordinary child that happens to be called `module`
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    for wrap in (DistributedDataParallel, torch.compile):
+        model = wrap(_gpt())
+        assert [s.name for s in find_sites(model)] == MODELS["nanogpt"][1]
+    held = Holder(_gpt())
+    assert [s.name for s in find_sites(held)] == ["module." + n for n in MODELS["nanogpt"][1]]
+    assert canonical_name(held, "module.transformer.h.0") == "module.transformer.h.0"
+    # A list of sites found on the wrapped model (canonical names) is accepted back.
+    compiled = torch.compile(_gpt())
+    assert [s.name for s in find_sites(compiled, find_sites(compiled))] == MODELS["nanogpt"][1]

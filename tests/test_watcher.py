@@ -827,3 +827,121 @@ def test_share_uses_the_whole_accumulated_gradient_even_after_zero_grad():
     want = ((s_a ** 2 * g_a + s_b ** 2 * g_b) / g_ab).sqrt()
     assert torch.allclose(s_ab, want, rtol=1e-6), (s_ab, want)
     assert not torch.allclose(g_ab, g_a + g_b, rtol=1e-2)  # the cross term matters
+
+
+# -------------------------------------------------------- activation checkpointing
+
+
+def _checkpointed(model, how):
+    """model's blocks recomputed in the backward: torch.utils.checkpoint (reentrant or
+    not) on each block's forward, or checkpoint_wrapper around each block."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    if how == "wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+        model.transformer.h = nn.ModuleList(checkpoint_wrapper(b) for b in model.transformer.h)
+        return model
+    for block in model.transformer.h:
+        block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
+                                          use_reentrant=how == "reentrant")
+    return model
+
+
+def _counts(w):
+    """Rows counted so far in the step being accumulated, per layer: exact (routed
+    kernel), probed and with a gradient. Reports show only ratios of these, in which a
+    doubled count would hide, so they are read where they accumulate."""
+    return [(int(st.stats.rows[0]), st.probe_rows, st.grad_rows) for st in w._states]  # head 0
+
+
+@pytest.mark.parametrize("rows", [8, 4 * 32])
+@pytest.mark.parametrize("route_all", [False, True])
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+def test_activation_checkpointing_counts_each_forward_once(how, route_all, rows):
+    """The checkpointed run reports exactly what the plain run reports, step after step:
+    a recompute that sampled again would move the sampling generator (other rows on the
+    next steps), a reentrant recompute's δ would come from another sample, and every
+    count would double. 4·32 rows: every row sampled."""
+    cfg = dict(every_n_steps=1, rows_per_head=rows, route_all=route_all)
+    runs, counts = [], []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL))
+        if ckpt:
+            model = _checkpointed(model, how)
+        w = fw.watch(model, **cfg)
+        reports, _ = _train(model, w, 3)
+        x, y = _batch(torch.Generator().manual_seed(9))
+        _, loss = model(x, y)
+        loss.backward()
+        counts.append(_counts(w))
+        assert w.monitor_errors_total == 0
+        runs.append([_comparable(r) for r in reports])
+    assert counts[0] == counts[1]
+    assert counts[0][0] == (4 * 32 if route_all else 0, rows, rows)
+    plain, ckpt = runs
+    assert len(plain) == len(ckpt) == 3
+    for a, b in zip(plain, ckpt, strict=True):
+        for ha, hb in zip(a["heads"], b["heads"], strict=True):
+            assert ha["layer"] == hb["layer"]  # canonical names through the wrapper
+            for key, va in ha.items():
+                if isinstance(va, float):
+                    assert va == pytest.approx(hb[key], rel=1e-6, abs=1e-12, nan_ok=True), key
+                else:
+                    assert va == hb[key], key
+            assert math.isfinite(ha["delta_error_sum"])
+
+
+def test_hugging_face_gradient_checkpointing_counts_each_forward_once():
+    transformers = pytest.importorskip("transformers")
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model.train()
+        w = fw.watch(model, every_n_steps=1, rows_per_head=8, route_all=True)
+        g = torch.Generator().manual_seed(0)
+        reports = []
+        for _ in range(3):
+            ids = torch.randint(0, 64, (2, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            counts = _counts(w)
+            reports.append(_comparable(w.step())["heads"])
+        assert w.monitor_errors_total == 0
+        return reports, counts
+
+    (plain, n_plain), (ckpt, n_ckpt) = run(False), run(True)
+    assert n_plain == n_ckpt == [(2 * 16, 8, 8)] * 2
+    for a, b in zip(plain, ckpt, strict=True):
+        for ha, hb in zip(a, b, strict=True):
+            for key in ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum"):
+                assert ha[key] == pytest.approx(hb[key], rel=1e-6, abs=1e-12), key
+            assert math.isfinite(ha["delta_error_sum"])
+
+
+def test_state_moves_between_the_plain_compiled_and_checkpoint_wrapped_model(monkeypatch):
+    """Layer names are canonical: no `_orig_mod.` (torch.compile) and no
+    `_checkpoint_wrapped_module.` (checkpoint_wrapper), so the state loads across them."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL))
+    w = fw.watch(model, every_n_steps=1)
+    _train(model, w, 2)
+    w.set_head_modes("transformer.h.1.attn", [Mode.BETA, 0, 0, Mode.FP32_O])
+    state = w.state_dict()
+    w.remove()
+    for wrapped in (torch.compile(model), _checkpointed(model, "wrapper")):
+        w2 = fw.watch(wrapped, every_n_steps=1)
+        w2.load_state_dict(state)
+        assert w2.head_modes() == w.head_modes()
+        assert [s.name for s in w2.sites] == ["transformer.h.0.attn", "transformer.h.1.attn"]
+        w2.remove()

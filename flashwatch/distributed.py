@@ -1,0 +1,179 @@
+"""torch.distributed helpers: the world size, and W^Q spectral norms of sharded weights
+(FSDP2 `fully_shard`, tensor parallel DTensors).
+
+`wq_spectral_norm` (docs/design.md §5) must be the unsharded W^Q's whatever the sharding,
+and identical on every rank, since every rank's policy reads it.
+
+The common case needs no gather. FSDP2 shards a Linear's weight [out, in] on dim 0, so
+each rank holds whole rows of W^Q (a head's d_head rows may straddle two ranks). One power
+iteration step on head h, with v replicated:
+
+    u = W_h v          each rank: the entries of u for its own rows (local products)
+    Wᵀ u = Σ_r W_rᵀ u_r   a sum of per-rank partial [d_model] vectors: one all_reduce
+    ‖u‖² = Σ_r ‖u_r‖²     summed in the same all_reduce
+
+so a step sends H·(d_model + 1) numbers per layer, d_head times less than W^Q itself,
+and leaves σ and v bitwise identical on every rank (all ranks stop on the same step).
+
+Other layouts (a Conv1D weight, whose W^Q columns are sharded; Shard(1); meshes of more
+than one dimension) fall back to gathering the DTensor view of W^Q with `full_tensor()`
+and the plain power iteration: correct, but it moves the whole W^Q (and, where DTensor
+must redistribute to slice it, the whole weight) every monitored step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from flashwatch.sites import AttentionSite
+from flashwatch.spectral import (
+    COLD_START_MAX_ITERS,
+    DEFAULT_SEED,
+    WARM_MAX_ITERS,
+    power_iteration,
+    start_vector,
+)
+
+
+def world_size() -> int:
+    """Ranks of the default process group; 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_dtensor(t) -> bool:
+    return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements")
+
+
+def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwargs
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(σ [H], v [H, d_model]) of site's W^Q, as `spectral.power_iteration`, for plain
+    and sharded weights alike. A sharded weight makes this a collective: every rank of
+    the weight's mesh must call it for the same site in the same order."""
+    rows = local_wq_rows(site)
+    if rows is not None:
+        local, head, group = rows
+        return sharded_power_iteration(local, head, site.num_heads, v, iters, group=group,
+                                       **kwargs)
+    w = site.wq()
+    if is_dtensor(w):  # fallback: gather the view of W^Q (module docstring)
+        w = w.full_tensor()
+    return power_iteration(w.float(), v, iters, **kwargs)
+
+
+def local_wq_rows(site: AttentionSite):
+    """(rows [n, d_model], head [n] int64, process group) of W^Q held by this rank, when
+    W^Q is rows [start, stop) of an nn.Linear weight that is a DTensor sharded on dim 0
+    over a 1-D mesh; else None. n may be 0 (a rank holding only K and V rows)."""
+    source = getattr(site.wq_source, "rows_of", None)  # set by sites._rows_of
+    if source is None:
+        return None
+    q_module, start, stop = source
+    w = getattr(q_module, "weight", None)
+    if not isinstance(q_module, nn.Linear) or not is_dtensor(w):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = w.device_mesh
+    if mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+        return None
+    # DTensor's Shard(0) splits like torch.chunk: ceil(out / world) rows per rank.
+    out, world, rank = w.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-out // world)
+    offset = min(rank * chunk, out)
+    local = w.to_local().detach()
+    if local.shape[0] != min(chunk, out - offset):
+        raise RuntimeError(f"site {site.name!r}: local shard of {tuple(w.shape)} has "
+                           f"{local.shape[0]} rows on rank {rank} of {world}, expected "
+                           f"{min(chunk, out - offset)} (torch.chunk layout)")
+    a, b = max(start, offset), min(stop, offset + local.shape[0])
+    rows = local[a - offset:max(a, b) - offset]
+    head = (torch.arange(a, max(a, b), device=rows.device) - start) // site.head_dim
+    return rows, head, mesh.get_group(0)
+
+
+def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(‖dW^Q_h‖²_F per head [H] float64 on the CPU, averaged) from the Q projection's
+    weight gradient `grad` (nn.Linear orientation). A plain tensor is this rank's own
+    gradient (averaged=False). A DTensor is FSDP2's shard of the gradient averaged over
+    ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
+    so that the cross-rank SUM of the watcher's reduction gives the averaged gradient's
+    norm without a gather; any other layout is gathered and counted on rank 0 only."""
+    a, b = site.q_slice_of_output
+    H, D = site.num_heads, site.head_dim
+    if not is_dtensor(grad):
+        g = grad.detach()[a:b].float().reshape(H, D, -1)
+        return g.square().sum((1, 2)).double().cpu(), False
+    from torch.distributed.tensor import Shard
+
+    mesh = grad.device_mesh
+    out = torch.zeros(H, dtype=torch.float64)
+    if mesh.ndim == 1 and tuple(grad.placements) == (Shard(0),):
+        n_out, world, rank = grad.shape[0], mesh.size(), mesh.get_local_rank()
+        chunk = -(-n_out // world)  # torch.chunk layout, as local_wq_rows
+        offset = min(rank * chunk, n_out)
+        local = grad.to_local().detach()
+        lo, hi = max(a, offset), min(b, offset + local.shape[0])
+        if hi > lo:
+            rows = local[lo - offset:hi - offset].double()
+            head = ((torch.arange(lo, hi) - a) // D).to(rows.device)
+            out.index_add_(0, head.cpu(), rows.square().sum(-1).cpu())
+        return out, True
+    full = grad.full_tensor().detach()  # every rank holds it: count it once
+    if torch.distributed.get_rank() == 0:
+        out = full[a:b].double().reshape(H, D, -1).square().sum((1, 2)).cpu()
+    return out, True
+
+
+def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
+                            v: torch.Tensor | None, iters: int, tol: float = 1e-6, *,
+                            group=None, seed: int = DEFAULT_SEED,
+                            max_iters: int = WARM_MAX_ITERS
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`spectral.power_iteration` for a W^Q whose rows are spread over the ranks of
+    `group`: rows [n, b] are this rank's rows, head [n] the head of each. Same warm and
+    cold start rules, stopping test and arguments; returns (σ [H], v [H, b]), identical
+    on every rank."""
+    import torch.distributed as dist
+
+    H, b = num_heads, rows.shape[1]
+    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    rows = rows.to(dtype)
+    start = start_vector(H, b, seed=seed, dtype=dtype, device=rows.device)
+    cold = v is None
+    if cold:
+        v = start
+    else:
+        v = v.detach().to(device=rows.device, dtype=dtype)
+        bad = ~torch.isfinite(v).all(dim=1) | (v.norm(dim=1) == 0)
+        v = torch.where(bad[:, None], start, v / v.norm(dim=1, keepdim=True).clamp_min(1e-300))
+
+    def step(v):  # (Σ_r W_rᵀ u_r [H, b], ‖u‖² [H]) for u = W v, summed over ranks
+        u = (rows * v[head]).sum(1)
+        packed = torch.cat([
+            torch.zeros(H, b, dtype=dtype, device=rows.device).index_add_(
+                0, head, rows * u[:, None]).flatten(),
+            torch.zeros(H, dtype=dtype, device=rows.device).index_add_(0, head, u * u)])
+        dist.all_reduce(packed, group=group)
+        return packed[:H * b].view(H, b), packed[H * b:]
+
+    sigma = torch.zeros(H, dtype=dtype, device=rows.device)
+    n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
+    for i in range(n_iters):
+        w, usq = step(v)
+        new_sigma = usq.sqrt()
+        w_norm = w.norm(dim=1, keepdim=True)
+        v = torch.where(w_norm > 0, w / w_norm.clamp_min(1e-300), v)
+        change = (new_sigma - sigma).abs() / new_sigma.clamp_min(1e-300)
+        sigma = new_sigma
+        if (cold or i + 1 >= iters) and bool((change[torch.isfinite(change)] < tol).all()):
+            break
+    sigma = step(v)[1].sqrt()  # σ of the returned v, as power_iteration does
+    finite = torch.isfinite(sigma) & torch.isfinite(v).all(dim=1)
+    sigma = torch.where(finite, sigma, torch.full_like(sigma, math.nan))
+    v = torch.where(finite[:, None], v, start)
+    return sigma, v
