@@ -231,6 +231,42 @@ def twins(root: Path, config: str) -> str:
     return "\n".join(out) + "\n\n" + "\n".join(lines)
 
 
+def deltas(files: list[Path], batches: int = 16) -> str:
+    """Pool reproduction.checkpoints JSON files (one or more runs each): does the δ error
+    keep its sign or direction across batches, and how large is it, by training step?
+    Under a random sign z ~ N(0, 1) (sd 1, |z| > 3 in 0.27 % of heads); a random
+    direction gives coherence ≈ 1/sqrt(batches). Step 0 (initialisation) is left out."""
+    rows = [r for f in files for rs in json.loads(Path(f).read_text()).values() for r in rs
+            if r["step"] > 0]
+    if not rows:
+        raise SystemExit("no checkpoint rows in the given files")
+    z = [r["sign_z"] for r in rows]
+    sd = math.sqrt(sum(v * v for v in z) / len(z))
+    out = [f"{len(rows)} head-checkpoints; sign z: mean {sum(z) / len(z):+.3f}, rms {sd:.2f}, "
+           f"|z| > 3 in {sum(abs(v) > 3 for v in z) / len(z):.2%}, max |z| "
+           f"{max(abs(v) for v in z):.2f}; coherence (null ≈ {1 / math.sqrt(batches):.2f}): "
+           f"median {_median([r['coherence'] for r in rows]):.2f}, > 0.5 in "
+           f"{sum(r['coherence'] > 0.5 for r in rows) / len(rows):.1%}", "",
+           "| layer | rms z | coherence median | rel_error median |", "|---|---|---|---|"]
+    for layer in sorted({r["layer"] for r in rows}):
+        at = [r for r in rows if r["layer"] == layer]
+        zl = [r["sign_z"] for r in at]
+        out.append(f"| {layer} | {math.sqrt(sum(v * v for v in zl) / len(zl)):.2f} | "
+                   f"{_median([r['coherence'] for r in at]):.2f} | "
+                   f"{_median([r['rel_error'] for r in at]):.2f} |")
+    out += ["", "| steps | rel_error median | rel_error 90th percentile |", "|---|---|---|"]
+    for lo in range(0, max(r["step"] for r in rows) + 1, 500):
+        at = sorted(r["rel_error"] for r in rows if lo <= r["step"] < lo + 500)
+        if at:
+            out.append(f"| {lo}–{lo + 499} | {at[len(at) // 2]:.2f} | "
+                       f"{at[int(0.9 * len(at))]:.2f} |")
+    return "\n".join(out)
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
 def _arm_summary(rows) -> str:
     """One line per arm: how many runs spiked, diverged, were warned in time."""
     out = ["| arm | runs | spiked | not finite | alert before the spike | final loss "
@@ -320,14 +356,18 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m reproduction.analyze", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("search", "compare", "twins"))
+    p.add_argument("what", choices=("search", "compare", "twins", "deltas"))
+    p.add_argument("--json", type=Path, nargs="*", default=[],
+                   help="deltas: reproduction.checkpoints JSON files")
     p.add_argument("--root", type=Path, default=Path("runs/repro"))
     p.add_argument("--config")
     p.add_argument("--img", type=Path, default=Path("docs/img"))
     a = p.parse_args(argv)
     if a.what in ("compare", "twins") and not a.config:
         p.error(f"{a.what} needs --config")
-    if a.what == "twins":
+    if a.what == "deltas":
+        print(deltas(a.json))
+    elif a.what == "twins":
         print(twins(a.root, a.config))
     else:
         print(search(a.root, a.img) if a.what == "search" else compare(a.root, a.config, a.img))

@@ -201,3 +201,19 @@ def test_checkpoints_sign_statistic_is_bounded_by_the_batch_count(tiny_runs):
                 assert abs(r["sign_z"]) == pytest.approx(1.0)
             assert abs(r["sign_z"]) <= math.sqrt(batches) + 1e-9
             assert r["rel_error"] >= 0 and r["step"] == TINY["steps"]
+
+
+def test_deltas_pools_checkpoint_rows(tiny_runs, tmp_path):
+    from reproduction import checkpoints
+
+    root, _ = tiny_runs
+    rows = checkpoints.measure_run(root / "nope-grammar" / "unmitigated-s0", 2)
+    path = tmp_path / "ck.json"
+    path.write_text(json.dumps({"run": rows}))
+    text = analyze.deltas([path], batches=2)
+    rms = math.sqrt(sum(r["sign_z"] ** 2 for r in rows) / len(rows))
+    assert text.startswith(f"{len(rows)} head-checkpoints") and f"rms {rms:.2f}" in text
+    assert text.count("\n| 0 |") == 1  # the one layer of TINY
+    path.write_text(json.dumps({"run": [dict(r, step=0) for r in rows]}))
+    with pytest.raises(SystemExit, match="no checkpoint rows"):  # step 0 is left out
+        analyze.deltas([path])
