@@ -79,9 +79,10 @@ class WatchConfig:
     Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
       delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
                       which a head goes to FP32_O directly (no tie gate). Default 0.1:
-                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, 0.2–0.4
-                      before the CPU-scale spikes, 0.54 at logits ≈ 140 in a run that
-                      did not spike (docs/REPRODUCTION.md §2). Synthetic streams: 0 of
+                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, per-run
+                      medians 0.02–0.21 in a fused kernel and 0.14–0.40 in the paper's
+                      BF16 arithmetic at lr 3e-2, logits in the thousands
+                      (docs/REPRODUCTION.md, study v2). Synthetic streams: 0 of
                       200 heads switched in 1000 monitored steps at a true share of
                       0.07, all 200 at 0.2 (tests/test_policy.py).
       delta_share_steps      consecutive monitored steps at or above the threshold

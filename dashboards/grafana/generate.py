@@ -154,7 +154,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "Estimated ‖E‖/‖dW^Q‖: the part of each head's W^Q gradient that is δ "
                     "rounding error (the paper's Eq. 3, this layer's term), per monitored "
                     "step. Healthy ≪ 0.05 (the line, the alert threshold on its 15-minute "
-                    "mean); tens of percent precede the CPU-scale spikes.",
+                    "median); tens of percent in the BF16 arithmetic at logits in the thousands.",
                     [_target(f"topk({TOPK}, flashwatch_delta_error_share{{{SEL}}})",
                              "{{layer}} h{{head}}")],
                     unit="percentunit", thresholds=_thresholds((0.05, "red"))),
