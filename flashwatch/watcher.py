@@ -611,22 +611,28 @@ class Watcher:
             t0 = time.perf_counter()
             try:
                 with torch.no_grad(), no_autocast(grad.device):
-                    c = probe.delta_error(grad[b, :, t], o_used, o32)  # [R, H]
-                    st.G += probe.sketch(c, z, y).cpu()
-                    st.grad_rows += len(b)
-                    if share_w is not None:
-                        st.share_num += (share_w * c.square()).sum(0).cpu()
-                        st.share_rows += len(b)
+                    c_all = None  # [B, H, Nq]: c on every row, from the kernel's own O_fp32
                     if every_row is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
                         o_all, o32_all, fp32_heads, bf16_delta = every_row
                         if bf16_delta:  # the paper backward's δ: product and sum in BF16
-                            c = (grad * o_all).sum(-1).double() - (
+                            c_all = (grad * o_all).sum(-1).double() - (
                                 grad.float() * o32_all).sum(-1, dtype=torch.float64)
                         else:
-                            c = (grad.float() * (o_all.float() - o32_all)).sum(
-                                -1, dtype=torch.float64)  # [B, H, Nq]
-                        c[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
-                        c = c.transpose(0, 1).reshape(c.shape[1], -1).T  # [B·Nq, H]
+                            c_all = (grad.float() * (o_all.float() - o32_all)).sum(
+                                -1, dtype=torch.float64)
+                        c_all[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
+                    # The sampled rows' c: the kernel's own where it has O_fp32 (exactly
+                    # what FP32_O removes), else against the probe's FP32 recomputation,
+                    # which also counts the rounding of P̄ in O (reads high: see README).
+                    c = (c_all[b, :, t] if c_all is not None
+                         else probe.delta_error(grad[b, :, t], o_used, o32))  # [R, H]
+                    st.G += probe.sketch(c, z, y).cpu()
+                    st.grad_rows += len(b)
+                    if share_w is not None:
+                        st.share_num += (share_w * c.double().square()).sum(0).cpu()
+                        st.share_rows += len(b)
+                    if c_all is not None:
+                        c = c_all.transpose(0, 1).reshape(c_all.shape[1], -1).T  # [B·Nq, H]
                     st.delta_sum += c.sum(0).cpu()
                     st.delta_sq += c.square().sum(0).cpu()
                     st.delta_rows += c.shape[0]
