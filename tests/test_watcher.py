@@ -705,15 +705,17 @@ class _QKV(nn.Module):
             .reshape(B, T, C)
 
 
-def _share_case(seed, C=128, H=2, B=4, T=32, rows="all", watch_seed=0):
-    """One bf16 step of _QKV; returns (report, per-head FP64 ‖E‖², Σ‖e_T‖², ‖dW^Q‖²)."""
+def _share_case(seed, C=128, H=2, B=4, T=32, rows="all", watch_seed=0, routed=False):
+    """One bf16 step of _QKV; returns (report, per-head FP64 ‖E‖², Σ‖e_T‖², ‖dW^Q‖²).
+    routed: SDPA runs flashwatch's reference kernel (route_all), whose own FP32 O (P̄
+    rounded to BF16 before P̄V, l unrounded) is what c is measured against."""
     torch.manual_seed(seed)
     model = _QKV(C, H).bfloat16()
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, C, generator=g).bfloat16()
     wgt = torch.randn(B, T, C, generator=g)
     w = fw.watch(model, sites={"": dict(num_heads=H, q_module="q_proj")}, every_n_steps=1,
-                 rows_per_head=rows, seed=watch_seed)
+                 rows_per_head=rows, seed=watch_seed, route_all=routed, backend="reference")
     (model(x).float() * wgt).sum().backward()
     report = w.step()
     w.remove()
@@ -721,13 +723,15 @@ def _share_case(seed, C=128, H=2, B=4, T=32, rows="all", watch_seed=0):
     with torch.no_grad():
         q, k, v = (p(x).view(B, T, H, D).transpose(1, 2)
                    for p in (model.q_proj, model.k_proj, model.v_proj))
-        o_used = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o_used = (fw.attention(q, k, v, causal=True, backend="reference") if routed
+                  else F.scaled_dot_product_attention(q, k, v, is_causal=True))
     s = (q.double() @ k.double().transpose(-1, -2)) * D ** -0.5
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
     p = torch.softmax(s, -1)
     pk = p @ k.double()  # [B, H, T, D]
     do = wgt.bfloat16().double().view(B, T, H, D).transpose(1, 2)
-    c = (do * (o_used.double() - p @ v.double())).sum(-1)  # [B, H, T]
+    o_fp32 = _fused_o_fp64(q, k, v, D ** -0.5) if routed else p @ v.double()
+    c = (do * (o_used.double() - o_fp32)).sum(-1)  # [B, H, T]
     X = x.double()  # [B, T, C]
     E = D ** -0.5 * torch.einsum("bht,bhtd,btc->hdc", c, pk, X)  # Eq. 3, this layer
     diag = D ** -0.5 * c.abs() * pk.norm(dim=-1) * X.norm(dim=-1).unsqueeze(1)
@@ -741,6 +745,18 @@ def test_delta_error_share_is_sum_of_row_terms_over_the_gradient_fp64():
     report, _, diag, gq = _share_case(21)
     got = torch.tensor([h.delta_error_share for h in report.heads], dtype=torch.float64)
     assert torch.allclose(got, (diag / gq).sqrt(), rtol=2e-2), (got, (diag / gq).sqrt())
+
+
+def test_routed_share_measures_c_against_the_kernels_own_fp32_o():
+    # flashwatch's kernel: c = δ_used - δ(kernel's FP32 O), the error FP32_O removes; the
+    # exact-softmax recomputation would also count P̄'s BF16 rounding (a larger c).
+    report, _, diag, gq = _share_case(22, rows=16, routed=True)
+    report_all, _, diag_all, _ = _share_case(22, routed=True)
+    got = torch.tensor([h.delta_error_share for h in report_all.heads], dtype=torch.float64)
+    assert torch.allclose(got, (diag_all / gq).sqrt(), rtol=2e-2), (got, diag_all, gq)
+    assert all(h.delta_error_all_rows for h in report.heads)  # every row for Σc, 16 for E
+    _, _, diag_sdpa, _ = _share_case(22)  # the same step measured as a foreign kernel
+    assert not torch.allclose(diag_all, diag_sdpa, rtol=0.05)
 
 
 def test_delta_error_share_estimates_the_exact_eq3_norm():
