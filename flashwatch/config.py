@@ -82,7 +82,10 @@ class WatchConfig:
                       measured 0.002 at initialisation, 0.014 at logits ≈ 17, per-run
                       medians 0.02–0.21 in a fused kernel and 0.14–0.40 in the paper's
                       BF16 arithmetic at lr 3e-2, logits in the thousands
-                      (docs/REPRODUCTION.md, study v2). Synthetic streams: 0 of
+                      (docs/REPRODUCTION.md, study v2). Real runs at an ordinary lr:
+                      `flashwatch demo --steps 600 --mitigation auto --seed 0` (and 1),
+                      lr 3e-3: share median 0.0008, 99th percentile 0.006–0.008 over
+                      4,800 head-steps each, no event from any rule. Synthetic streams: 0 of
                       200 heads switched in 1000 monitored steps at a true share of
                       0.07, all 200 at 0.2 (tests/test_policy.py).
       delta_share_steps      consecutive monitored steps at or above the threshold
