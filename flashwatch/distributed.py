@@ -23,16 +23,14 @@ must redistribute to slice it, the whole weight) every monitored step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from flashwatch.sites import AttentionSite
 from flashwatch.spectral import (
-    COLD_START_MAX_ITERS,
     DEFAULT_SEED,
     WARM_MAX_ITERS,
+    iterate,
     power_iteration,
     start_vector,
 )
@@ -161,19 +159,5 @@ def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: i
         dist.all_reduce(packed, group=group)
         return packed[:H * b].view(H, b), packed[H * b:]
 
-    sigma = torch.zeros(H, dtype=dtype, device=rows.device)
-    n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
-    for i in range(n_iters):
-        w, usq = step(v)
-        new_sigma = usq.sqrt()
-        w_norm = w.norm(dim=1, keepdim=True)
-        v = torch.where(w_norm > 0, w / w_norm.clamp_min(1e-300), v)
-        change = (new_sigma - sigma).abs() / new_sigma.clamp_min(1e-300)
-        sigma = new_sigma
-        if (cold or i + 1 >= iters) and bool((change[torch.isfinite(change)] < tol).all()):
-            break
-    sigma = step(v)[1].sqrt()  # σ of the returned v, as power_iteration does
-    finite = torch.isfinite(sigma) & torch.isfinite(v).all(dim=1)
-    sigma = torch.where(finite, sigma, torch.full_like(sigma, math.nan))
-    v = torch.where(finite[:, None], v, start)
-    return sigma, v
+    return iterate(step, v, lambda: start, iters=iters, tol=tol, cold=cold,
+                   max_iters=max_iters)

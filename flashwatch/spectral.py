@@ -93,12 +93,23 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
         if bool(bad.any()):
             v = torch.where(bad[:, None], start(), v)
 
-    sigma = torch.zeros(H, dtype=dtype, device=W.device)
+    def step(v):  # (WᵀW v, ‖W v‖²) per head
+        u = torch.bmm(W, v[:, :, None])[:, :, 0]
+        return torch.bmm(u[:, None, :], W)[:, 0, :], u.square().sum(dim=1)
+
+    return iterate(step, v, start, iters=iters, tol=tol, cold=cold, max_iters=max_iters)
+
+
+def iterate(step, v: torch.Tensor, start, *, iters: int, tol: float, cold: bool,
+            max_iters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The power-iteration loop for plain and sharded W^Q alike (flashwatch/distributed.py):
+    step(v) -> (WᵀW v [H, b], ‖W v‖² [H]); start() -> the seeded vectors that replace a
+    head's v when its σ comes out non-finite. Returns (σ [H], v [H, b])."""
+    sigma = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)
     n_iters = COLD_START_MAX_ITERS if cold else max(iters, max_iters)
     for i in range(n_iters):
-        u = torch.bmm(W, v[:, :, None])[:, :, 0]  # W v
-        new_sigma = u.norm(dim=1)
-        w = torch.bmm(u[:, None, :], W)[:, 0, :]  # (Wᵀ W v)ᵀ
+        w, usq = step(v)
+        new_sigma = usq.sqrt()
         w_norm = w.norm(dim=1, keepdim=True)
         # Keep v where WᵀWv = 0 (zero matrix): dividing would make NaN.
         v = torch.where(w_norm > 0, w / w_norm.clamp_min(1e-300), v)
@@ -107,7 +118,7 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
         if (cold or i + 1 >= iters) and bool((change[torch.isfinite(change)] < tol).all()):
             break
     # The last v is one half-step ahead of sigma; use it for the returned σ too.
-    sigma = torch.bmm(W, v[:, :, None])[:, :, 0].norm(dim=1)
+    sigma = step(v)[1].sqrt()
     finite = torch.isfinite(sigma) & torch.isfinite(v).all(dim=1)
     sigma = torch.where(finite, sigma, torch.full_like(sigma, math.nan))
     if not bool(finite.all()):
