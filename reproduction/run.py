@@ -63,6 +63,7 @@ CONFIGS = {
     "nope-grammar-fused": dict(backend="reference"),
     # Hotter: lr 1e-2, no weight decay (nothing pulls W^Q back).
     "nope-grammar-hot": dict(lr=1e-2, weight_decay=0.0),
+    "nope-grammar-hot-fused": dict(lr=1e-2, weight_decay=0.0, backend="reference"),
     # i.i.d. tokens over 16 symbols: once the unigram is learnt the true gradient is
     # zero-mean noise, so a persistent numerical bias is all Adam has to follow.
     "uniform-v16": dict(data="uniform", vocab=16, lr=1e-2, weight_decay=0.0),
