@@ -263,6 +263,27 @@ def deltas(files: list[Path], batches: int = 16) -> str:
     return "\n".join(out)
 
 
+def summaries(root: Path) -> str:
+    """One compact JSON record per run under root/CONFIG/ARM-sSEED, for committing
+    (reproduction/results_v2.json) in place of the run logs."""
+    out = []
+    for d in sorted(root.glob("*/*/summary.json")):
+        summ = json.loads(d.read_text())
+        train = [json.loads(x) for x in (d.parent / "train.jsonl").read_text().splitlines()]
+        last = json.loads((d.parent / "flashwatch.jsonl").read_text().splitlines()[-1])
+        logits = [h["attention_max_logit"] for h in last["heads"]
+                  if h["attention_max_logit"] is not None]
+        out.append(dict(
+            config=summ["config"], arm=summ["arm"], seed=summ["seed"],
+            steps=summ["steps_done"], final_loss=round(summ["final_loss_mean_last100"], 4),
+            best_loss_ema=round(summ["best_loss_ema"], 4), spike_step=summ["spike_step"],
+            max_grad_norm=round(max(r["grad_norm"] for r in train), 3),
+            max_logit_end=max(logits, default=None), qk_clips=summ.get("qk_clips_total"),
+            first_alert=summ["first_alert"], flagged_heads=len(summ["flagged_heads"]),
+            final_modes={k: sorted(set(v)) for k, v in summ["final_modes"].items()}))
+    return json.dumps(out, indent=0)
+
+
 def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
@@ -356,7 +377,7 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m reproduction.analyze", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=("search", "compare", "twins", "deltas"))
+    p.add_argument("what", choices=("search", "compare", "twins", "deltas", "summaries"))
     p.add_argument("--json", type=Path, nargs="*", default=[],
                    help="deltas: reproduction.checkpoints JSON files")
     p.add_argument("--root", type=Path, default=Path("runs/repro"))
@@ -367,6 +388,8 @@ def main(argv=None) -> int:
         p.error(f"{a.what} needs --config")
     if a.what == "deltas":
         print(deltas(a.json))
+    elif a.what == "summaries":
+        print(summaries(a.root))
     elif a.what == "twins":
         print(twins(a.root, a.config))
     else:

@@ -217,3 +217,13 @@ def test_deltas_pools_checkpoint_rows(tiny_runs, tmp_path):
     path.write_text(json.dumps({"run": [dict(r, step=0) for r in rows]}))
     with pytest.raises(SystemExit, match="no checkpoint rows"):  # step 0 is left out
         analyze.deltas([path])
+
+
+def test_summaries_has_one_record_per_run(tiny_runs):
+    root, out = tiny_runs
+    recs = json.loads(analyze.summaries(root))
+    mine = [r for r in recs if r["config"] == "nope-grammar"]
+    assert sorted(r["arm"] for r in mine) == sorted(R.ARMS)
+    for r in mine:
+        assert r["final_loss"] == round(out[r["arm"]]["final_loss_mean_last100"], 4)
+        assert r["steps"] == TINY["steps"] and r["max_grad_norm"] > 0
