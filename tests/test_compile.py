@@ -184,3 +184,19 @@ def test_modes_on_a_layer_without_a_routable_call_are_reported_unmitigable():
     assert "no attention call" in report.unmitigable["0"]
     assert w.monitor_errors_total == 1
     w.remove()
+
+
+def test_a_hugging_face_llama_traces_unmonitored_steps_without_a_graph_break():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attn_implementation="sdpa"))
+    w = fw.watch(model, every_n_steps=2)
+    w.step()  # step 1: unmonitored
+    x = torch.randint(0, 64, (2, 16))
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    w.remove()
+    assert "forward" not in model.model.layers[0].self_attn.__dict__  # unwrapped
