@@ -374,32 +374,45 @@ class Watcher:
         st.routed = self.config.route_all or bool(modes.any())
 
     def _wrap_forward(self, st: _SiteState) -> None:
-        """Replace the watched module's forward by one that, on steps where the layer is
-        neither measured nor routed, only calls the original: two attribute reads that
+        """Give the watched module a forward that, on steps where the layer is neither
+        measured nor routed, only calls the original: plain attribute reads that
         torch.compile guards on, so a compiled model traces it with no graph break (and
         fullgraph=True holds). Otherwise the layer runs eagerly (`_watched_forward`,
-        torch._dynamo.disable: one graph break per layer call in compiled code), where the
-        ContextVar and the TorchFunctionMode that attribute and route its attention calls
-        work. Dynamo guards on the module's `forward` attribute too, so code compiled
-        before the watcher was attached recompiles on its next call (no reset needed)."""
+        torch._dynamo.disable: a graph break in compiled code), where the ContextVar and
+        the TorchFunctionMode that attribute and route its attention calls work.
+
+        The forward goes on a subclass made for this module (its __class__ is swapped),
+        not in its __dict__: a deep copy or a DataParallel replica then calls it with
+        itself as `self`, never with the original's weights. Dynamo guards on the
+        module's type, so code compiled before the watcher was attached recompiles on
+        its next call (no torch._dynamo.reset needed)."""
         mod = st.site.module
-        had_own = "forward" in mod.__dict__
-        original = mod.forward
+        base = type(mod)
+        original = base.forward
+        if "forward" in mod.__dict__:  # an instance attribute would shadow ours
+            log.warning("flashwatch: %s has its own instance attribute `forward`, which "
+                        "flashwatch cannot wrap; the layer is neither measured nor "
+                        "mitigated (head modes set on it are reported unmitigable)",
+                        st.site.name)
 
         @functools.wraps(original)
-        def forward(*args, **kwargs):
-            if st.routed or (self._monitoring and not self._paused):
-                return self._watched_forward(st, original, args, kwargs)
-            return original(*args, **kwargs)
+        def forward(module, *args, **kwargs):
+            if not self._removed and (st.routed or (self._monitoring and not self._paused)):
+                return self._watched_forward(st, module, original, args, kwargs)
+            return original(module, *args, **kwargs)
 
-        mod.forward = forward
-        st.unwrap = (lambda: setattr(mod, "forward", original)) if had_own else (
-            lambda: mod.__dict__.pop("forward", None))
+        watched = type(base.__name__, (base,), {"forward": forward,
+                                                "__module__": base.__module__,
+                                                "__qualname__": base.__qualname__})
+        mod.__class__ = watched
+
+        def unwrap():
+            if type(mod) is watched:  # else wrapped again since (fully_shard): left as is,
+                mod.__class__ = base  # its forward passes straight through once removed
+        st.unwrap = unwrap
 
     @torch._dynamo.disable
-    def _watched_forward(self, st: _SiteState, original, args, kwargs):
-        if self._removed:
-            return original(*args, **kwargs)
+    def _watched_forward(self, st: _SiteState, module, original, args, kwargs):
         st.module_calls += 1
         frame = [st, None, False]
         frames = self._frames()
@@ -411,7 +424,7 @@ class Watcher:
         except Exception as e:
             self._error(f"forward pre-hook {st.site.name}", e)
         try:
-            return original(*args, **kwargs)
+            return original(module, *args, **kwargs)
         finally:
             if frames and frames[-1] is frame:  # else remove() already unwound it
                 frames.pop()

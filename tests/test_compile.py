@@ -199,4 +199,24 @@ def test_a_hugging_face_llama_traces_unmonitored_steps_without_a_graph_break():
     explained = torch._dynamo.explain(model)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     w.remove()
-    assert "forward" not in model.model.layers[0].self_attn.__dict__  # unwrapped
+    attn = model.model.layers[0].self_attn
+    assert type(attn) is transformers.models.llama.modeling_llama.LlamaAttention
+
+
+def test_a_deep_copy_of_a_watched_model_computes_with_its_own_weights():
+    """The wrapped forward is the module's class's, so `self` is the copy (an EMA copy,
+    a DataParallel replica), not the module the watcher was attached to."""
+    model = _gpt()
+    w = fw.watch(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    x, _ = _batch()
+    w.remove()  # forwards now pass straight through
+    reference = copy.deepcopy(twin)
+    for m in reference.modules():  # the copy keeps the watched class: compare unwatched
+        if type(m).__name__ == "CausalSelfAttention":
+            m.__class__ = type(m).__mro__[1]
+    assert torch.equal(twin(x)[0], reference(x)[0])
+    assert not torch.equal(twin(x)[0], model(x)[0])
