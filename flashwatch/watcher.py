@@ -1,8 +1,9 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
 One monitored optimizer step, end to end (docs/design.md §2):
-  forward   a forward pre-hook on each watched attention module marks it current; a
-            TorchFunctionMode (pushed only while that module runs, and only when needed)
+  forward   the watched attention module's wrapped forward (_wrap_forward) marks it
+            current on monitored steps and at routed layers (else it only calls the
+            original, for torch.compile); a TorchFunctionMode (pushed only then)
             catches its F.scaled_dot_product_attention call, and flashwatch.attention
             calls see the same mark. A layer with a non-STANDARD head is routed to
             flashwatch.attention with its modes. On monitored steps the probe samples
@@ -221,7 +222,9 @@ class Watcher:
 
     def set_head_modes(self, layer: str, modes) -> None:
         """Set the modes of one watched layer by hand, from the next attention call on
-        (e.g. to apply what "advise" recommends). Logged as user events."""
+        (e.g. to apply what "advise" recommends). Logged as user events. Compiled or
+        not, the layer's next forward runs them; if it makes no call flashwatch can
+        route, the next report lists the layer in `unmitigable`."""
         from flashwatch.kernels.common import normalize_head_modes
         from flashwatch.report import Event
 
@@ -354,7 +357,7 @@ class Watcher:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    # ------------------------------------------------------------------ forward hooks
+    # ------------------------------------------------------------------ forward wrapper
 
     def _frames(self) -> list:
         """This thread's stack of [site, ContextVar token, mode pushed] for the watched
@@ -422,7 +425,7 @@ class Watcher:
             self._mode.__enter__()
             frame[2] = True
         except Exception as e:
-            self._error(f"forward pre-hook {st.site.name}", e)
+            self._error(f"forward entry {st.site.name}", e)
         try:
             return original(module, *args, **kwargs)
         finally:
@@ -435,7 +438,7 @@ class Watcher:
                         _dispatch_mod._INTERCEPT.reset(frame[1])
                     st.x = None
                 except Exception as e:
-                    self._error(f"forward post-hook {st.site.name}", e)
+                    self._error(f"forward exit {st.site.name}", e)
 
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
