@@ -129,6 +129,52 @@ class _Interceptor(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# Module attribute holding a watched attention module's _Link.
+LINK = "_flashwatch_link"
+
+
+class _Link:
+    """What a watched module's forward reads: its watcher, its layer's state and its
+    class before it was watched. Deep copies and DataParallel replicas of the module
+    share it (as they shared forward hooks): they are measured as the same layer."""
+
+    __slots__ = ("watcher", "st", "base")
+
+    def __init__(self, watcher: Watcher, st: _SiteState, base: type):
+        self.watcher, self.st, self.base = watcher, st, base
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_WATCHED_CLASSES: dict[type, type] = {}
+
+
+def _watched_class(base: type) -> type:
+    """One subclass per attention class (all layers of a model share it, so regional
+    compilation, e.g. each block compiled on its own, still reuses one graph for every
+    block) whose forward reads the module's _Link. A subclass, not a forward in the
+    module's __dict__, so that deep copies and replicas call it with themselves as
+    `self`, never with the original module's weights."""
+    cls = _WATCHED_CLASSES.get(base)
+    if cls is None:
+        original = base.forward
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            link = module.__dict__.get(LINK)
+            w = None if link is None else link.watcher
+            if w is not None and not w._removed and (
+                    link.st.routed or (w._monitoring and not w._paused)):
+                return w._watched_forward(link.st, module, original, args, kwargs)
+            return original(module, *args, **kwargs)
+
+        cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
+            "forward": forward, "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
+    return cls
+
+
 class Watcher:
     """Watches the attention layers of one model. Create it with `flashwatch.watch`."""
 
@@ -377,41 +423,35 @@ class Watcher:
         st.routed = self.config.route_all or bool(modes.any())
 
     def _wrap_forward(self, st: _SiteState) -> None:
-        """Give the watched module a forward that, on steps where the layer is neither
-        measured nor routed, only calls the original: plain attribute reads that
-        torch.compile guards on, so a compiled model traces it with no graph break (and
-        fullgraph=True holds). Otherwise the layer runs eagerly (`_watched_forward`,
-        torch._dynamo.disable: a graph break in compiled code), where the ContextVar and
-        the TorchFunctionMode that attribute and route its attention calls work.
-
-        The forward goes on a subclass made for this module (its __class__ is swapped),
-        not in its __dict__: a deep copy or a DataParallel replica then calls it with
-        itself as `self`, never with the original's weights. Dynamo guards on the
-        module's type, so code compiled before the watcher was attached recompiles on
-        its next call (no torch._dynamo.reset needed)."""
+        """Give the watched module the forward of `_watched_class(type(module))` and a
+        `_Link` to this watcher and layer (module attribute LINK). That forward, on steps
+        where the layer is neither measured nor routed, only calls the original: plain
+        attribute reads that torch.compile guards on, so a compiled model traces it with
+        no graph break (and fullgraph=True holds). Otherwise the layer runs eagerly
+        (`_watched_forward`, torch._dynamo.disable: a graph break in compiled code), where
+        the ContextVar and the TorchFunctionMode that attribute and route its attention
+        calls work. Dynamo guards on the module's type, so code compiled before the
+        watcher was attached recompiles on its next call (no torch._dynamo.reset)."""
         mod = st.site.module
-        base = type(mod)
-        original = base.forward
         if "forward" in mod.__dict__:  # an instance attribute would shadow ours
             log.warning("flashwatch: %s has its own instance attribute `forward`, which "
                         "flashwatch cannot wrap; the layer is neither measured nor "
                         "mitigated (head modes set on it are reported unmitigable)",
                         st.site.name)
-
-        @functools.wraps(original)
-        def forward(module, *args, **kwargs):
-            if not self._removed and (st.routed or (self._monitoring and not self._paused)):
-                return self._watched_forward(st, module, original, args, kwargs)
-            return original(module, *args, **kwargs)
-
-        watched = type(base.__name__, (base,), {"forward": forward,
-                                                "__module__": base.__module__,
-                                                "__qualname__": base.__qualname__})
-        mod.__class__ = watched
+        old = mod.__dict__.get(LINK)
+        if old is not None and not old.watcher._removed:
+            log.warning("flashwatch: %s was watched by another Watcher that was not "
+                        "removed; this one takes the layer over", st.site.name)
+        base = type(mod) if old is None else old.base
+        link = _Link(self, st, base)
+        mod.__dict__[LINK] = link
+        mod.__class__ = _watched_class(base)
 
         def unwrap():
-            if type(mod) is watched:  # else wrapped again since (fully_shard): left as is,
-                mod.__class__ = base  # its forward passes straight through once removed
+            if mod.__dict__.get(LINK) is link:  # else another watcher took it over
+                del mod.__dict__[LINK]
+                if type(mod) is _watched_class(base):  # else re-wrapped (fully_shard):
+                    mod.__class__ = base  # kept, its forward passes straight through
         st.unwrap = unwrap
 
     @torch._dynamo.disable

@@ -220,3 +220,22 @@ def test_a_deep_copy_of_a_watched_model_computes_with_its_own_weights():
             m.__class__ = type(m).__mro__[1]
     assert torch.equal(twin(x)[0], reference(x)[0])
     assert not torch.equal(twin(x)[0], model(x)[0])
+
+
+def test_blocks_compiled_one_by_one_share_their_graphs():
+    """Regional compilation: every block's attention has the same watched class, so
+    Dynamo compiles Block.forward for the monitored and the unmonitored step only, not
+    once per layer (10 layers: past Dynamo's recompile limit of 8 if it did)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "n_layer": 10}))
+    w = fw.watch(model, every_n_steps=2)
+    counter = CompileCounter()
+    for block in model.transformer.h:
+        block.compile(backend=counter)
+    x, _ = _batch()
+    for _ in range(4):  # monitored, unmonitored, monitored, unmonitored
+        model(x)[0].sum().backward()
+        w.step()
+    assert counter.frame_count <= 3  # pre-attention graph + one per step kind
+    assert len({type(b.attn) for b in model.transformer.h}) == 1
+    w.remove()
