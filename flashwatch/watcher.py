@@ -1,8 +1,9 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
 One monitored optimizer step, end to end (docs/design.md §2):
-  forward   a forward pre-hook on each watched attention module marks it current; a
-            TorchFunctionMode (pushed only while that module runs, and only when needed)
+  forward   the watched attention module's wrapped forward (_wrap_forward) marks it
+            current on monitored steps and at routed layers (else it only calls the
+            original, for torch.compile); a TorchFunctionMode (pushed only then)
             catches its F.scaled_dot_product_attention call, and flashwatch.attention
             calls see the same mark. A layer with a non-STANDARD head is routed to
             flashwatch.attention with its modes. On monitored steps the probe samples
@@ -19,6 +20,7 @@ Failures inside flashwatch are logged once, counted and never raised into traini
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -62,6 +64,13 @@ class _SiteState:
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     warned: set = field(default_factory=set)
     unmitigable: str | None = None  # why its modes could not be applied, if so
+    # Plain Python bools, read by the forward wrapper before anything else: torch.compile
+    # guards on them (one recompile when one flips) instead of tracing watcher code.
+    routed: bool = False  # route_all or a non-STANDARD head: its calls go to our kernel
+    # since the last report: forwards of the module, and calls of ours that ran with its
+    # modes (a routed layer whose module ran but made no such call is unmitigable)
+    module_calls: int = 0
+    routed_calls: int = 0
     # accumulators of the current monitored step (reset in step())
     stats: AttentionStats | None = None
     probe_tied: torch.Tensor | None = None
@@ -82,6 +91,7 @@ class _SiteState:
     wq_grad_sq: torch.Tensor | None = None
     wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
+    unwrap: object = None  # restores the module's own forward (remove())
     sampled: bool = False  # a probed call of this step measured only some of its rows
     # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
@@ -117,6 +127,52 @@ class _Interceptor(TorchFunctionMode):
         if func is F.scaled_dot_product_attention and st is not None:
             return self.watcher._on_sdpa(st, func, args, kwargs)
         return func(*args, **kwargs)
+
+
+# Module attribute holding a watched attention module's _Link.
+LINK = "_flashwatch_link"
+
+
+class _Link:
+    """What a watched module's forward reads: its watcher, its layer's state and its
+    class before it was watched. Deep copies and DataParallel replicas of the module
+    share it (as they shared forward hooks): they are measured as the same layer."""
+
+    __slots__ = ("watcher", "st", "base")
+
+    def __init__(self, watcher: Watcher, st: _SiteState, base: type):
+        self.watcher, self.st, self.base = watcher, st, base
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_WATCHED_CLASSES: dict[type, type] = {}
+
+
+def _watched_class(base: type) -> type:
+    """One subclass per attention class (all layers of a model share it, so regional
+    compilation, e.g. each block compiled on its own, still reuses one graph for every
+    block) whose forward reads the module's _Link. A subclass, not a forward in the
+    module's __dict__, so that deep copies and replicas call it with themselves as
+    `self`, never with the original module's weights."""
+    cls = _WATCHED_CLASSES.get(base)
+    if cls is None:
+        original = base.forward
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            link = module.__dict__.get(LINK)
+            w = None if link is None else link.watcher
+            if w is not None and not w._removed and (
+                    link.st.routed or (w._monitoring and not w._paused)):
+                return w._watched_forward(link.st, module, original, args, kwargs)
+            return original(module, *args, **kwargs)
+
+        cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
+            "forward": forward, "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
+    return cls
 
 
 class Watcher:
@@ -171,9 +227,8 @@ class Watcher:
         self._mode = _Interceptor(self)
         self._handles = []
         for st in self._states:
-            mod = st.site.module
-            self._handles.append(mod.register_forward_pre_hook(self._pre_hook(st)))
-            self._handles.append(mod.register_forward_hook(self._post_hook(st), always_call=True))
+            st.routed = self.config.route_all or bool(st.modes.any())
+            self._wrap_forward(st)
             if st.site.q_module is not None:
                 self._handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
@@ -213,7 +268,9 @@ class Watcher:
 
     def set_head_modes(self, layer: str, modes) -> None:
         """Set the modes of one watched layer by hand, from the next attention call on
-        (e.g. to apply what "advise" recommends). Logged as user events."""
+        (e.g. to apply what "advise" recommends). Logged as user events. Compiled or
+        not, the layer's next forward runs them; if it makes no call flashwatch can
+        route, the next report lists the layer in `unmitigable`."""
         from flashwatch.kernels.common import normalize_head_modes
         from flashwatch.report import Event
 
@@ -231,7 +288,7 @@ class Watcher:
                               reason="set by user", applied=True)
                 self._events.append(event)
                 self._unreported.append(event)  # goes out with the next report
-        st.modes = new
+        self._set_modes(st, new)
         if changed.any():  # judge the new mode on what comes after it only
             self._signals.reset_window(changed)
             self._policy.restart(changed)
@@ -302,7 +359,7 @@ class Watcher:
         self._step = int(sd["step"])
         self._monitoring = bool(sd["monitoring"])
         for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
-            st.modes = modes.clone().to(torch.int32)
+            self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
             st.reset(self.config.sketch_dim)
         self._gen.set_state(sd["rng"])
@@ -322,6 +379,10 @@ class Watcher:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for st in self._states:
+            if st.unwrap is not None:
+                st.unwrap()
+                st.unwrap = None
         for _, token, pushed in reversed(self._frames()):  # removed mid-forward
             if pushed:
                 self._mode.__exit__(None, None, None)
@@ -342,7 +403,7 @@ class Watcher:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    # ------------------------------------------------------------------ forward hooks
+    # ------------------------------------------------------------------ forward wrapper
 
     def _frames(self) -> list:
         """This thread's stack of [site, ContextVar token, mode pushed] for the watched
@@ -357,36 +418,67 @@ class Watcher:
         frames = self._frames()
         return frames[-1][0] if frames else None
 
-    def _pre_hook(self, st: _SiteState):
-        def hook(module, args):
-            if self._removed:
-                return
-            frame = [st, None, False]
-            self._frames().append(frame)
-            try:
-                frame[1] = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
-                if self._measuring or self.config.route_all or bool(st.modes.any()):
-                    self._mode.__enter__()
-                    frame[2] = True
-            except Exception as e:
-                self._error(f"forward pre-hook {st.site.name}", e)
-        return hook
+    def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
+        st.modes = modes
+        st.routed = self.config.route_all or bool(modes.any())
 
-    def _post_hook(self, st: _SiteState):
-        def hook(module, args, output):
-            frames = self._frames()
-            if not frames or frames[-1][0] is not st:  # its pre-hook ran before remove()
-                return
-            _, token, pushed = frames.pop()
-            try:
-                if pushed:
-                    self._mode.__exit__(None, None, None)
-                if token is not None:
-                    _dispatch_mod._INTERCEPT.reset(token)
-                st.x = None
-            except Exception as e:
-                self._error(f"forward post-hook {st.site.name}", e)
-        return hook
+    def _wrap_forward(self, st: _SiteState) -> None:
+        """Give the watched module the forward of `_watched_class(type(module))` and a
+        `_Link` to this watcher and layer (module attribute LINK). That forward, on steps
+        where the layer is neither measured nor routed, only calls the original: plain
+        attribute reads that torch.compile guards on, so a compiled model traces it with
+        no graph break (and fullgraph=True holds). Otherwise the layer runs eagerly
+        (`_watched_forward`, torch._dynamo.disable: a graph break in compiled code), where
+        the ContextVar and the TorchFunctionMode that attribute and route its attention
+        calls work. Dynamo guards on the module's type, so code compiled before the
+        watcher was attached recompiles on its next call (no torch._dynamo.reset)."""
+        mod = st.site.module
+        if "forward" in mod.__dict__:  # an instance attribute would shadow ours
+            log.warning("flashwatch: %s has its own instance attribute `forward`, which "
+                        "flashwatch cannot wrap; the layer is neither measured nor "
+                        "mitigated (head modes set on it are reported unmitigable)",
+                        st.site.name)
+        old = mod.__dict__.get(LINK)
+        if old is not None and not old.watcher._removed:
+            log.warning("flashwatch: %s was watched by another Watcher that was not "
+                        "removed; this one takes the layer over", st.site.name)
+        base = type(mod) if old is None else old.base
+        link = _Link(self, st, base)
+        mod.__dict__[LINK] = link
+        mod.__class__ = _watched_class(base)
+
+        def unwrap():
+            if mod.__dict__.get(LINK) is link:  # else another watcher took it over
+                del mod.__dict__[LINK]
+                if type(mod) is _watched_class(base):  # else re-wrapped (fully_shard):
+                    mod.__class__ = base  # kept, its forward passes straight through
+        st.unwrap = unwrap
+
+    @torch._dynamo.disable
+    def _watched_forward(self, st: _SiteState, module, original, args, kwargs):
+        st.module_calls += 1
+        frame = [st, None, False]
+        frames = self._frames()
+        frames.append(frame)
+        try:
+            frame[1] = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
+            self._mode.__enter__()
+            frame[2] = True
+        except Exception as e:
+            self._error(f"forward entry {st.site.name}", e)
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            if frames and frames[-1] is frame:  # else remove() already unwound it
+                frames.pop()
+                try:
+                    if frame[2]:
+                        self._mode.__exit__(None, None, None)
+                    if frame[1] is not None:
+                        _dispatch_mod._INTERCEPT.reset(frame[1])
+                    st.x = None
+                except Exception as e:
+                    self._error(f"forward exit {st.site.name}", e)
 
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
@@ -504,6 +596,8 @@ class Watcher:
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32)
+        if not _recomputing():
+            st.routed_calls += 1
         st.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None
         st.o32_paper = (backend or cfg.backend) == "paper"
         if stats is not None:
@@ -660,7 +754,17 @@ class Watcher:
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
         sampled = torch.zeros(n, dtype=torch.bool)
         averaged = torch.zeros(n, dtype=torch.bool)  # ‖dW^Q‖² of the averaged gradient
+        not_routed = {}
         for st in self._states:
+            # Modes set, the module ran, and no call of ours ran them (e.g. its attention
+            # is neither SDPA nor flashwatch.attention): say so, never claim them applied.
+            if bool(st.modes.any()) and st.module_calls > 0 and st.routed_calls == 0:
+                not_routed[st.site.name] = (
+                    f"its module ran {st.module_calls} time(s) with head modes set but made "
+                    f"no attention call flashwatch could route (neither "
+                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
+                self._error(f"mitigation {st.site.name}", RuntimeError(not_routed[st.site.name]))
+            st.module_calls = st.routed_calls = 0
             sl = slice(st.offset, st.offset + st.site.num_heads)
             if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
                 tied[sl] = st.stats.tied_rows.double()
@@ -729,7 +833,7 @@ class Watcher:
                                        share=share)
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
-            st.modes = new_modes[st.offset:st.offset + st.site.num_heads].clone()
+            self._set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
@@ -755,6 +859,7 @@ class Watcher:
                    for i, (layer, head) in enumerate(self._heads)]
         unmitigable = {st.site.name: st.unmitigable for st in self._states
                        if st.unmitigable is not None and bool(st.modes.any())}
+        unmitigable.update({k: v for k, v in not_routed.items() if k not in unmitigable})
         events = self._unreported + list(decision.events) + clips
         self._unreported = []
         return StepReport(step=step, heads=records, events=events,
