@@ -1,11 +1,15 @@
 """Watcher overhead on a tiny GPT training on CPU, and the watcher's state size.
 
 Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-steps 10000]
+                                         [--compile]
 
 1. Training step time, watched at the default cadence (WatchConfig(): every 10th step
    monitored) vs not watched: two identical models trained in alternation, step by step,
    so machine noise hits both; median of the per-step times of each.
-2. Within the watched run: median monitored step vs median unmonitored step.
+2. Within the watched run: median monitored step vs median unmonitored step, and the
+   unmonitored-step ratio (median unmonitored watched / median not watched).
+   --compile: both models torch.compile'd (inductor), the watcher attached after
+   compiling; the first 25 steps (compilation of both graphs) are not timed.
 3. torch.save size of watcher.state_dict() after 100 and after --state-steps monitored
    steps (every_n_steps=1) of a one-layer model: it must not grow.
 """
@@ -37,16 +41,19 @@ def train_step(model, opt, x, y) -> float:
     return time.perf_counter() - t0
 
 
-def overhead(steps: int) -> None:
+def overhead(steps: int, compiled: bool = False) -> None:
     cfg = GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128)
     torch.manual_seed(0)
     plain = GPT(cfg)
     watched = copy.deepcopy(plain)
+    if compiled:
+        plain, watched = torch.compile(plain), torch.compile(watched)
     w = fw.watch(watched)  # defaults: every_n_steps=10, rows_per_head=64
+    warmup = 25 if compiled else 5
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, watched)]
     g = torch.Generator().manual_seed(0)
     t_plain, t_mon, t_unmon = [], [], []
-    for step in range(steps + 5):
+    for step in range(steps + warmup):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
         x, y = idx[:, :-1], idx[:, 1:]
         a = train_step(plain, opts[0], x, y)
@@ -55,13 +62,14 @@ def overhead(steps: int) -> None:
         b = train_step(watched, opts[1], x, y)
         w.step()
         b = time.perf_counter() - t0
-        if step >= 5:  # warm-up
+        if step >= warmup:
             t_plain.append(a)
             (t_mon if monitored else t_unmon).append(b)
     t_watched = t_mon + t_unmon
     med = statistics.median
     print(f"GPT {cfg.n_layer}L {cfg.n_head}H d={cfg.n_embd} T={cfg.block_size} B=8, bf16 "
-          f"autocast, {torch.get_num_threads()} threads, {steps} steps each")
+          f"autocast, {torch.get_num_threads()} threads, {steps} steps each"
+          + (", torch.compile (inductor)" if compiled else ", eager"))
     print("| measure | value |")
     print("|---|---|")
     print(f"| median step, not watched | {1e3 * med(t_plain):.1f} ms |")
@@ -71,6 +79,8 @@ def overhead(steps: int) -> None:
     print(f"| median step ratio watched / not watched | {med(t_watched) / med(t_plain):.3f} |")
     print(f"| median monitored step / median unmonitored step | "
           f"{med(t_mon) / med(t_unmon):.3f} |")
+    print(f"| median unmonitored watched step / median not watched | "
+          f"{med(t_unmon) / med(t_plain):.3f} |")
     w.remove()
 
 
@@ -99,9 +109,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--state-steps", type=int, default=10_000)
+    ap.add_argument("--compile", action="store_true", help="torch.compile both models")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    overhead(args.steps)
+    overhead(args.steps, args.compile)
     state_size(args.state_steps)
 
 
