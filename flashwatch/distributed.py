@@ -63,6 +63,29 @@ def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwa
     return power_iteration(w.float(), v, iters, **kwargs)
 
 
+def _dim0_rows(t, start: int, stop: int, head_dim: int):
+    """(rows, head [n] int64, mesh) of rows [start, stop) of `t` held by this rank, when
+    `t` is a DTensor sharded on dim 0 over a 1-D mesh; else None. DTensor's Shard(0)
+    splits like torch.chunk: ceil(out / world) rows per rank. n may be 0."""
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return None
+    out, world, rank = t.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-out // world)
+    offset = min(rank * chunk, out)
+    local = t.to_local().detach()
+    if local.shape[0] != min(chunk, out - offset):
+        raise RuntimeError(f"local shard of {tuple(t.shape)} has {local.shape[0]} rows on "
+                           f"rank {rank} of {world}, expected {min(chunk, out - offset)} "
+                           f"(torch.chunk layout)")
+    a, b = max(start, offset), min(stop, offset + local.shape[0])
+    rows = local[a - offset:max(a, b) - offset]
+    head = (torch.arange(a, max(a, b), device=rows.device) - start) // head_dim
+    return rows, head, mesh
+
+
 def local_wq_rows(site: AttentionSite):
     """(rows [n, d_model], head [n] int64, process group) of W^Q held by this rank, when
     W^Q is rows [start, stop) of an nn.Linear weight that is a DTensor sharded on dim 0
@@ -74,23 +97,10 @@ def local_wq_rows(site: AttentionSite):
     w = getattr(q_module, "weight", None)
     if not isinstance(q_module, nn.Linear) or not is_dtensor(w):
         return None
-    from torch.distributed.tensor import Shard
-
-    mesh = w.device_mesh
-    if mesh.ndim != 1 or tuple(w.placements) != (Shard(0),):
+    found = _dim0_rows(w, start, stop, site.head_dim)
+    if found is None:
         return None
-    # DTensor's Shard(0) splits like torch.chunk: ceil(out / world) rows per rank.
-    out, world, rank = w.shape[0], mesh.size(), mesh.get_local_rank()
-    chunk = -(-out // world)
-    offset = min(rank * chunk, out)
-    local = w.to_local().detach()
-    if local.shape[0] != min(chunk, out - offset):
-        raise RuntimeError(f"site {site.name!r}: local shard of {tuple(w.shape)} has "
-                           f"{local.shape[0]} rows on rank {rank} of {world}, expected "
-                           f"{min(chunk, out - offset)} (torch.chunk layout)")
-    a, b = max(start, offset), min(stop, offset + local.shape[0])
-    rows = local[a - offset:max(a, b) - offset]
-    head = (torch.arange(a, max(a, b), device=rows.device) - start) // site.head_dim
+    rows, head, mesh = found
     return rows, head, mesh.get_group(0)
 
 
@@ -106,20 +116,11 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     if not is_dtensor(grad):
         g = grad.detach()[a:b].float().reshape(H, D, -1)
         return g.square().sum((1, 2)).double().cpu(), False
-    from torch.distributed.tensor import Shard
-
-    mesh = grad.device_mesh
     out = torch.zeros(H, dtype=torch.float64)
-    if mesh.ndim == 1 and tuple(grad.placements) == (Shard(0),):
-        n_out, world, rank = grad.shape[0], mesh.size(), mesh.get_local_rank()
-        chunk = -(-n_out // world)  # torch.chunk layout, as local_wq_rows
-        offset = min(rank * chunk, n_out)
-        local = grad.to_local().detach()
-        lo, hi = max(a, offset), min(b, offset + local.shape[0])
-        if hi > lo:
-            rows = local[lo - offset:hi - offset].double()
-            head = ((torch.arange(lo, hi) - a) // D).to(rows.device)
-            out.index_add_(0, head.cpu(), rows.square().sum(-1).cpu())
+    found = _dim0_rows(grad, a, b, D)
+    if found is not None:
+        rows, head, _ = found
+        out.index_add_(0, head.cpu(), rows.double().square().sum(-1).cpu())
         return out, True
     full = grad.full_tensor().detach()  # every rank holds it: count it once
     if torch.distributed.get_rank() == 0:

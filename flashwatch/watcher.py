@@ -227,7 +227,7 @@ class Watcher:
         self._mode = _Interceptor(self)
         self._handles = []
         for st in self._states:
-            st.routed = self.config.route_all or bool(st.modes.any())
+            self._set_modes(st, st.modes)
             self._wrap_forward(st)
             if st.site.q_module is not None:
                 self._handles.append(
@@ -524,7 +524,7 @@ class Watcher:
             q, k, v = (t.to(dt) for t in (q, k, v))  # FP32 q, k and a BF16 v
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
-        route = self.config.route_all or bool(st.modes.any())
+        route = st.routed
         out, routed = None, False
         if route:
             reason = None
