@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from flashwatch.config import WatchConfig
+from flashwatch.distributed import is_dtensor
 from flashwatch.kernels.common import Mode
 from flashwatch.report import Event
 from flashwatch.sites import AttentionSite
@@ -161,7 +162,7 @@ def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tens
     """param[..., start + i, ...] *= factors[i] along `dim`, on the local shard of a
     DTensor (its global offset along `dim` decides which factors it owns)."""
     local, offset, size = param, 0, param.shape[dim]
-    if _is_dtensor(param):
+    if is_dtensor(param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         shape, offsets = compute_local_shape_and_global_offset(
@@ -178,10 +179,3 @@ def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tens
     # In the weight's dtype, as the optimizer's own update is; one rounding per element.
     local.narrow(dim, lo - offset, hi - lo).mul_(f.to(local.device, local.dtype).view(view))
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
