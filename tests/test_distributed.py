@@ -38,6 +38,16 @@ def _batch(seed, B=4, T=16):
     return idx[:, :-1], idx[:, 1:]
 
 
+def _close(dist) -> None:
+    """Destroy the process group once the caller dropped its DDP model: a DDP Reducer
+    freed after destroy_process_group() joins a gloo thread that waits for the GIL its
+    destructor holds (hung a fresh `make test` once)."""
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+
+
 def _train(model, w, steps, rank):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     reports = []
@@ -128,7 +138,9 @@ def _worker(rank, world, init_file, out_dir):
     reports = _train(model, w, 2, rank)
     result["ddp"] = (_sigmas(reports[-1]), _wq_exact(model), w.monitor_errors_total)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    w.remove()
+    del model, w
+    _close(dist)
 
 
 def test_sharded_spectral_norms_on_two_gloo_ranks(tmp_path):
@@ -209,7 +221,9 @@ def _norm_worker(rank, world, init_file, out_dir, rows, same_data):
     mine = slice(0, 4) if same_data else slice(4 * rank, 4 * rank + 4)
     heads = _one_step(model, w, x[mine], y[mine])
     torch.save(heads, os.path.join(out_dir, f"norm{rank}.pt"))
-    dist.destroy_process_group()
+    w.remove()
+    del model, w
+    _close(dist)
 
 
 def test_sums_over_rows_do_not_change_with_the_world_size(tmp_path):
