@@ -13,6 +13,8 @@ document names the command that reruns it. Arms:
                takes δ from the FP32 accumulation of O (reproduction/fp32_delta.py);
                paper backend only. The watcher measures SDPA's output here, so its δ
                metrics describe the forward's O, not the δ training used.
+  fused        unmitigated, but on the fused FlashAttention-2 arithmetic (backend
+               "reference") whatever the configuration's backend: the kernel twin
   qk_clip      per-head QK-clip at τ = 100 after every step (every_n_steps=1, exact max
                logits from the routed kernel), head modes left alone: QK-clip only acts in
                mitigation="auto", so the mode rules are given thresholds they never reach.
@@ -46,7 +48,7 @@ from flashwatch.demo import make_corpus
 from flashwatch.sinks import JsonlSink
 from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 
-ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta", "qk_clip")
+ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta", "qk_clip", "fused")
 QK_CLIP_TAU = 100.0  # Megatron-LM's --qk-clip-threshold default
 
 # Defaults shared by every configuration; a configuration overrides some of them.
@@ -94,6 +96,12 @@ CONFIGS = {
                                     position_embedding=True, backend="reference"),
     # The fused twin of nope-grammar-hot (lr 1e-2): a milder setting for the gap.
     "nope-grammar-hot-fused": dict(lr=1e-2, weight_decay=0.0, backend="reference"),
+    # Benchmark pilot (issue: detection benchmark): between hot (lr 1e-2, clipped: no
+    # gap to fused) and hotter (lr 3e-2, unclipped: every seed worse than fused).
+    # Fused twins are the arm "fused" from here on.
+    "nope-grammar-warm": dict(lr=2e-2, weight_decay=0.0, clip=1e9),
+    "nope-grammar-hotter-clip": dict(lr=3e-2, weight_decay=0.0, clip=1.0),
+    "pe-grammar-warm": dict(lr=2e-2, weight_decay=0.0, clip=1e9, position_embedding=True),
 }
 
 SPIKE_NATS = 1.0  # a spike: the loss EMA rises this far above its best value so far
@@ -174,6 +182,8 @@ def run(config: str, arm: str, seed: int, out: Path, overrides: dict | None = No
     if arm not in ARMS:
         raise ValueError(f"--arm {arm!r} is not one of {ARMS}")
     s = settings_for(config, overrides)
+    if arm == "fused":
+        s["backend"] = "reference"
     if arm == "fp32_delta" and s["backend"] != "paper":
         raise ValueError(f"arm 'fp32_delta' needs the paper backend; configuration "
                          f"{config!r} uses backend {s['backend']!r}")
