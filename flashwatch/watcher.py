@@ -1,13 +1,12 @@
 """`flashwatch.watch(model)`: attach to a model's attention layers, measure, mitigate.
 
 One monitored optimizer step, end to end (docs/design.md §2):
-  forward   the watched attention module's wrapped forward (_wrap_forward) marks it
-            current on monitored steps and at routed layers (else it only calls the
-            original, for torch.compile); a TorchFunctionMode (pushed only then)
-            catches its F.scaled_dot_product_attention call, and flashwatch.attention
-            calls see the same mark. A layer with a non-STANDARD head is routed to
-            flashwatch.attention with its modes. On monitored steps the probe samples
-            rows, recomputes them in FP32 and hooks the output's gradient.
+  forward   flashwatch/attach.py marks the watched attention module current on monitored
+            steps and at routed layers (else its forward only calls the original, for
+            torch.compile), so its F.scaled_dot_product_attention and flashwatch.attention
+            calls reach `_on_sdpa` / the interceptor here. A layer with a non-STANDARD
+            head is routed to flashwatch's kernel with its modes. On monitored steps the
+            probe samples rows, recomputes them in FP32 and hooks the output's gradient.
   backward  the gradient hook computes c[T] and the sketch G for the sampled rows; when
             flashwatch's own kernel ran, also c[T] on every row from the kernel's FP32 O
             (Σc, Σc² then cover all rows); a post-accumulate-grad hook on the Q
@@ -20,21 +19,19 @@ Failures inside flashwatch are logged once, counted and never raised into traini
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import math
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe, reduce
+from flashwatch.attach import Attachment, recomputing
 from flashwatch.config import WatchConfig
 from flashwatch.distributed import spectral_norm, world_size, wq_grad_sq
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
@@ -63,14 +60,18 @@ class _SiteState:
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     warned: set = field(default_factory=set)
-    unmitigable: str | None = None  # why its modes could not be applied, if so
+    unmitigable: str | None = None  # why its modes could not be applied, last known
+    shadowed: bool = False  # an instance attribute `forward` hides the wrapper
     # Plain Python bools, read by the forward wrapper before anything else: torch.compile
     # guards on them (one recompile when one flips) instead of tracing watcher code.
     routed: bool = False  # route_all or a non-STANDARD head: its calls go to our kernel
-    # since the last report: forwards of the module, and calls of ours that ran with its
-    # modes (a routed layer whose module ran but made no such call is unmitigable)
+    # Since the last report: forwards of the module while routed, calls of ours that
+    # ran its modes, and attention calls made with modes set that ran the original
+    # kernel. Modes count as applied only if the first two are > 0 and the last is 0.
     module_calls: int = 0
     routed_calls: int = 0
+    fallback_calls: int = 0
+    pending: list = field(default_factory=list)  # applied mode events not yet seen run
     # accumulators of the current monitored step (reset in step())
     stats: AttentionStats | None = None
     probe_tied: torch.Tensor | None = None
@@ -91,7 +92,6 @@ class _SiteState:
     wq_grad_sq: torch.Tensor | None = None
     wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
-    unwrap: object = None  # restores the module's own forward (remove())
     sampled: bool = False  # a probed call of this step measured only some of its rows
     # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
@@ -112,67 +112,6 @@ class _SiteState:
         self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
         self.sampled = False
         self.no_grad_samples = []
-
-
-class _Interceptor(TorchFunctionMode):
-    """Routes F.scaled_dot_product_attention calls made inside a watched module."""
-
-    def __init__(self, watcher: Watcher):
-        super().__init__()
-        self.watcher = watcher
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        st = self.watcher._current
-        if func is F.scaled_dot_product_attention and st is not None:
-            return self.watcher._on_sdpa(st, func, args, kwargs)
-        return func(*args, **kwargs)
-
-
-# Module attribute holding a watched attention module's _Link.
-LINK = "_flashwatch_link"
-
-
-class _Link:
-    """What a watched module's forward reads: its watcher, its layer's state and its
-    class before it was watched. Deep copies and DataParallel replicas of the module
-    share it (as they shared forward hooks): they are measured as the same layer."""
-
-    __slots__ = ("watcher", "st", "base")
-
-    def __init__(self, watcher: Watcher, st: _SiteState, base: type):
-        self.watcher, self.st, self.base = watcher, st, base
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-_WATCHED_CLASSES: dict[type, type] = {}
-
-
-def _watched_class(base: type) -> type:
-    """One subclass per attention class (all layers of a model share it, so regional
-    compilation, e.g. each block compiled on its own, still reuses one graph for every
-    block) whose forward reads the module's _Link. A subclass, not a forward in the
-    module's __dict__, so that deep copies and replicas call it with themselves as
-    `self`, never with the original module's weights."""
-    cls = _WATCHED_CLASSES.get(base)
-    if cls is None:
-        original = base.forward
-
-        @functools.wraps(original)
-        def forward(module, *args, **kwargs):
-            link = module.__dict__.get(LINK)
-            w = None if link is None else link.watcher
-            if w is not None and not w._removed and (
-                    link.st.routed or (w._monitoring and not w._paused)):
-                return w._watched_forward(link.st, module, original, args, kwargs)
-            return original(module, *args, **kwargs)
-
-        cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
-            "forward": forward, "__module__": base.__module__,
-            "__qualname__": base.__qualname__})
-    return cls
 
 
 class Watcher:
@@ -222,17 +161,12 @@ class Watcher:
         self._errors_total = 0
         self._error_keys: set = set()
         self._monitor_seconds = 0.0
-        self._local = threading.local()  # per-thread stack of running watched modules
         self._removed = False
-        self._mode = _Interceptor(self)
-        self._handles = []
+        self._attachment = Attachment(self)
         for st in self._states:
             self._set_modes(st, st.modes)
-            self._wrap_forward(st)
-            if st.site.q_module is not None:
-                self._handles.append(
-                    st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
-                self._hook_wq_grad(st)
+            self._attachment.wrap(st)
+        self._attachment.arm(self._states)  # step 0 is monitored
 
     # ----------------------------------------------------------------------- public API
 
@@ -270,7 +204,8 @@ class Watcher:
         """Set the modes of one watched layer by hand, from the next attention call on
         (e.g. to apply what "advise" recommends). Logged as user events. Compiled or
         not, the layer's next forward runs them; if it makes no call flashwatch can
-        route, the next report lists the layer in `unmitigable`."""
+        route, the next report lists the layer in `unmitigable` and its events say
+        applied=False."""
         from flashwatch.kernels.common import normalize_head_modes
         from flashwatch.report import Event
 
@@ -288,6 +223,8 @@ class Watcher:
                               reason="set by user", applied=True)
                 self._events.append(event)
                 self._unreported.append(event)  # goes out with the next report
+                if event.to_mode != Mode.STANDARD:
+                    st.pending.append(event)  # applied once a report sees it run
         self._set_modes(st, new)
         if changed.any():  # judge the new mode on what comes after it only
             self._signals.reset_window(changed)
@@ -302,6 +239,7 @@ class Watcher:
         completed, was_monitoring = self._step, self._monitoring
         self._step += 1
         self._monitoring = self._step % self.config.every_n_steps == 0
+        self._arm()
         if not was_monitoring:
             return None
         try:
@@ -358,6 +296,7 @@ class Watcher:
                         "run's; decisions may differ from the uninterrupted run")
         self._step = int(sd["step"])
         self._monitoring = bool(sd["monitoring"])
+        self._arm()
         for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
             self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
@@ -376,19 +315,7 @@ class Watcher:
         if self._removed:
             return
         self._removed = True
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        for st in self._states:
-            if st.unwrap is not None:
-                st.unwrap()
-                st.unwrap = None
-        for _, token, pushed in reversed(self._frames()):  # removed mid-forward
-            if pushed:
-                self._mode.__exit__(None, None, None)
-            if token is not None:
-                _dispatch_mod._INTERCEPT.reset(token)
-        self._frames().clear()
+        self._attachment.detach()
         for sink in self.sinks:
             close = getattr(sink, "close", None)
             if close is not None:
@@ -405,80 +332,16 @@ class Watcher:
 
     # ------------------------------------------------------------------ forward wrapper
 
-    def _frames(self) -> list:
-        """This thread's stack of [site, ContextVar token, mode pushed] for the watched
-        modules now running (threads, e.g. nn.DataParallel replicas, never share one)."""
-        frames = getattr(self._local, "frames", None)
-        if frames is None:
-            frames = self._local.frames = []
-        return frames
-
-    @property
-    def _current(self) -> _SiteState | None:
-        frames = self._frames()
-        return frames[-1][0] if frames else None
+    def _arm(self) -> None:
+        """The X and ‖dW^Q‖² hooks run on monitored steps only (flashwatch/attach.py)."""
+        if self._monitoring:
+            self._attachment.arm(self._states)
+        else:
+            self._attachment.disarm()
 
     def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
         st.modes = modes
         st.routed = self.config.route_all or bool(modes.any())
-
-    def _wrap_forward(self, st: _SiteState) -> None:
-        """Give the watched module the forward of `_watched_class(type(module))` and a
-        `_Link` to this watcher and layer (module attribute LINK). That forward, on steps
-        where the layer is neither measured nor routed, only calls the original: plain
-        attribute reads that torch.compile guards on, so a compiled model traces it with
-        no graph break (and fullgraph=True holds). Otherwise the layer runs eagerly
-        (`_watched_forward`, torch._dynamo.disable: a graph break in compiled code), where
-        the ContextVar and the TorchFunctionMode that attribute and route its attention
-        calls work. Dynamo guards on the module's type, so code compiled before the
-        watcher was attached recompiles on its next call (no torch._dynamo.reset)."""
-        mod = st.site.module
-        if "forward" in mod.__dict__:  # an instance attribute would shadow ours
-            log.warning("flashwatch: %s has its own instance attribute `forward`, which "
-                        "flashwatch cannot wrap; the layer is neither measured nor "
-                        "mitigated (head modes set on it are reported unmitigable)",
-                        st.site.name)
-        old = mod.__dict__.get(LINK)
-        if old is not None and not old.watcher._removed:
-            log.warning("flashwatch: %s was watched by another Watcher that was not "
-                        "removed; this one takes the layer over", st.site.name)
-        base = type(mod) if old is None else old.base
-        link = _Link(self, st, base)
-        mod.__dict__[LINK] = link
-        mod.__class__ = _watched_class(base)
-
-        def unwrap():
-            if mod.__dict__.get(LINK) is link:  # else another watcher took it over
-                del mod.__dict__[LINK]
-                if type(mod) is _watched_class(base):  # else re-wrapped (fully_shard):
-                    mod.__class__ = base  # kept, its forward passes straight through
-        st.unwrap = unwrap
-
-    @torch._dynamo.disable
-    def _watched_forward(self, st: _SiteState, module, original, args, kwargs):
-        st.module_calls += 1
-        frame = [st, None, False]
-        frames = self._frames()
-        frames.append(frame)
-        try:
-            frame[1] = _dispatch_mod._INTERCEPT.set(self._make_fw_interceptor(st))
-            self._mode.__enter__()
-            frame[2] = True
-        except Exception as e:
-            self._error(f"forward entry {st.site.name}", e)
-        try:
-            return original(module, *args, **kwargs)
-        finally:
-            if frames and frames[-1] is frame:  # else remove() already unwound it
-                frames.pop()
-                try:
-                    if frame[2]:
-                        self._mode.__exit__(None, None, None)
-                    if frame[1] is not None:
-                        _dispatch_mod._INTERCEPT.reset(frame[1])
-                    st.x = None
-                except Exception as e:
-                    self._error(f"forward exit {st.site.name}", e)
 
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
@@ -492,24 +355,6 @@ class Watcher:
             except Exception as e:
                 self._error(f"W^Q gradient {st.site.name}", e)
         return hook
-
-    def _x_hook(self, st: _SiteState):
-        def hook(module, args):
-            if self._measuring and not self._removed and args:
-                st.x = args[0]  # a reference only; rows are taken at the attention call
-                if getattr(module, "weight", None) is not st.wq_hooked:
-                    try:  # the weight was replaced (fully_shard after watch): hook the new one
-                        self._hook_wq_grad(st)
-                    except Exception as e:
-                        self._error(f"W^Q gradient {st.site.name}", e)
-        return hook
-
-    def _hook_wq_grad(self, st: _SiteState) -> None:
-        """Hook the Q projection's current weight for ‖dW^Q_h‖² (delta_error_share)."""
-        w = getattr(st.site.q_module, "weight", None)
-        st.wq_hooked = w
-        if isinstance(st.site.q_module, nn.Linear) and w is not None and w.requires_grad:
-            self._handles.append(w.register_post_accumulate_grad_hook(self._wq_grad_hook(st)))
 
     # ------------------------------------------------------------- attention handling
 
@@ -540,8 +385,9 @@ class Watcher:
                     routed = True
                 except Exception as e:
                     self._error(f"routing {st.site.name}", e)
+                    self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
             else:
-                st.unmitigable = reason
+                self._fallback(st, reason)
                 self._warn_once(st, "unmitigable",
                                 f"flashwatch: cannot apply head modes to {st.site.name} "
                                 f"because {reason}; it stays on the original kernel and "
@@ -570,6 +416,7 @@ class Watcher:
                                    backend=backend)
             except Exception as e:  # a failure of ours: run the call as it was made
                 self._error(f"routing {st.site.name}", e)
+                self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
                                                head_modes=head_modes, beta=beta, eps=eps,
                                                stats=stats, backend=backend)
@@ -577,6 +424,13 @@ class Watcher:
                 self._safe_probe(st, q, k, v, out, causal, scale, None, True)
             return out
         return intercept
+
+    @staticmethod
+    def _fallback(st: _SiteState, reason: str) -> None:
+        """An attention call of a routed layer ran the original kernel, not its modes."""
+        if bool(st.modes.any()) and not recomputing():
+            st.fallback_calls += 1
+            st.unmitigable = reason
 
     def _routed(self, st, q, k, v, causal, scale, head_modes, *, user_stats=None, beta=None,
                 eps=None, backend=None):
@@ -596,7 +450,7 @@ class Watcher:
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32)
-        if not _recomputing():
+        if not recomputing():
             st.routed_calls += 1
         st.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None
         st.o32_paper = (backend or cfg.backend) == "paper"
@@ -604,7 +458,7 @@ class Watcher:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self._measuring and not _recomputing():
+            if self._measuring and not recomputing():
                 st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
                               stats.max_logit.cpu())
                 st.stats.rows += stats.rows.cpu()
@@ -613,7 +467,7 @@ class Watcher:
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed):
         t0 = time.perf_counter()
         try:
-            if _recomputing():
+            if recomputing():
                 self._hook_recompute(st, out)
             else:
                 self._probe(st, q, k, v, out, causal, scale, mask, routed)
@@ -754,17 +608,18 @@ class Watcher:
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
         sampled = torch.zeros(n, dtype=torch.bool)
         averaged = torch.zeros(n, dtype=torch.bool)  # ‖dW^Q‖² of the averaged gradient
-        not_routed = {}
+        not_applied, withdrawn = {}, []
         for st in self._states:
-            # Modes set, the module ran, and no call of ours ran them (e.g. its attention
-            # is neither SDPA nor flashwatch.attention): say so, never claim them applied.
-            if bool(st.modes.any()) and st.module_calls > 0 and st.routed_calls == 0:
-                not_routed[st.site.name] = (
-                    f"its module ran {st.module_calls} time(s) with head modes set but made "
-                    f"no attention call flashwatch could route (neither "
-                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
-                self._error(f"mitigation {st.site.name}", RuntimeError(not_routed[st.site.name]))
-            st.module_calls = st.routed_calls = 0
+            reason = self._not_applied(st)
+            if reason is not None:  # say so, never claim the modes applied
+                not_applied[st.site.name] = reason
+                if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
+                    self._error(f"mitigation {st.site.name}", RuntimeError(reason))
+                    withdrawn += self._withdraw(st, reason)
+            elif st.routed_calls > 0:
+                st.pending.clear()  # seen run: the events stand
+                st.unmitigable = None
+            st.module_calls = st.routed_calls = st.fallback_calls = 0
             sl = slice(st.offset, st.offset + st.site.num_heads)
             if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
                 tied[sl] = st.stats.tied_rows.double()
@@ -834,6 +689,10 @@ class Watcher:
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
             self._set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
+        by_name = {st.site.name: st for st in self._states}
+        for e in decision.events:
+            if e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD:
+                by_name[e.layer].pending.append(e)
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
@@ -851,19 +710,50 @@ class Watcher:
             r_projection_cumulative=values.r_projection_cumulative,
             delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
             wq_spectral_norm=sigma).items()}
-        modes_now, recommended = new_modes.tolist(), decision.recommended.tolist()
+        ran = new_modes.clone()  # what the kernel runs: not a layer's modes it cannot apply
+        for st in self._states:
+            if st.site.name in not_applied:
+                ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
+        modes_now, recommended = ran.tolist(), decision.recommended.tolist()
         flagged = decision.flagged.tolist()
         records = [HeadRecord(layer=layer, head=head, **{k: v[i] for k, v in columns.items()},
                               head_mode=Mode(modes_now[i]), recommended_mode=Mode(recommended[i]),
                               flagged=bool(flagged[i]))
                    for i, (layer, head) in enumerate(self._heads)]
-        unmitigable = {st.site.name: st.unmitigable for st in self._states
-                       if st.unmitigable is not None and bool(st.modes.any())}
-        unmitigable.update({k: v for k, v in not_routed.items() if k not in unmitigable})
-        events = self._unreported + list(decision.events) + clips
+        events = self._unreported + withdrawn + list(decision.events) + clips
         self._unreported = []
         return StepReport(step=step, heads=records, events=events,
-                          unmitigable=unmitigable, qk_clips_total=self._qk_clip.total)
+                          unmitigable=not_applied, qk_clips_total=self._qk_clip.total)
+
+    def _not_applied(self, st: _SiteState) -> str | None:
+        """Why the layer's non-STANDARD modes did not run since the last report, if they
+        did not; None if they ran or the layer had no call to judge by."""
+        if not bool(st.modes.any()):
+            return None
+        if st.shadowed:
+            return ("its instance attribute `forward` hides flashwatch's wrapper, so its "
+                    "attention calls never reach flashwatch")
+        if st.fallback_calls > 0:
+            return st.unmitigable
+        if st.module_calls > 0 and st.routed_calls == 0:
+            return (f"its module ran {st.module_calls} time(s) with head modes set but made "
+                    f"no attention call flashwatch could route (neither "
+                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
+        if st.module_calls == 0 and st.routed_calls == 0:
+            return st.unmitigable  # not called since: the last thing known
+        return None
+
+    def _withdraw(self, st: _SiteState, reason: str) -> list:
+        """Mark the layer's pending mode events applied=False; the copies not yet
+        reported go out with this report."""
+        out = []
+        for e in st.pending:
+            e.applied = False
+            e.reason = f"{e.reason}; not applied: {reason}"
+            if not any(e is u for u in self._unreported):
+                out.append(dataclasses.replace(e))
+        st.pending.clear()
+        return out
 
     def _safe_qk_clip(self, step, max_logit, modes) -> list:
         """QK-clip after the reduction: max_logit is the same on every rank, so are the
@@ -891,15 +781,6 @@ class Watcher:
         if key not in st.warned:
             st.warned.add(key)
             log.warning(message)
-
-
-def _recomputing() -> bool:
-    """True in a forward that runs while autograd executes a backward pass: activation
-    checkpointing's recompute (torch.utils.checkpoint, reentrant or not, checkpoint_wrapper,
-    Hugging Face gradient checkpointing), whose first forward was already counted. A
-    plain forward runs outside any graph task (id -1)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,

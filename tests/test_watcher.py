@@ -380,6 +380,87 @@ def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog
     assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
 
 
+def test_modes_that_never_ran_are_withdrawn_and_reported_as_what_ran():
+    """A report is a promise: the mask keeps the layer on SDPA, so its user event turns
+    applied=False (in watcher.events and as a copy in the report), the heads report the
+    STANDARD mode they ran, and the error is counted, once per report."""
+    def masked(q, k, v):
+        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+    model = nn.Sequential(SmallAttention(masked))
+    w = fw.watch(model, every_n_steps=1)
+    x = torch.randn(2, 8, 32)
+    model(x).backward()
+    w.step()
+    w.set_head_modes("0", [Mode.FP32_O, Mode.STANDARD])
+    r0 = w.step()  # no forward since the change: not judged, still pending
+    assert r0 is not None and r0.unmitigable == {} and w.monitor_errors_total == 0
+    assert [e.applied for e in r0.events] == [True]
+    model(x).backward()
+    r1 = w.step()
+    assert r1.unmitigable == {"0": "it passes attn_mask"}
+    assert [(e.head, e.to_mode, e.applied) for e in r1.events] == [(0, Mode.FP32_O, False)]
+    assert "not applied: it passes attn_mask" in r1.events[0].reason
+    assert [e.applied for e in w.events] == [False]
+    assert [h.head_mode for h in r1.heads] == [Mode.STANDARD, Mode.STANDARD]
+    assert [h.recommended_mode for h in r1.heads][0] == Mode.FP32_O
+    assert w.monitor_errors_total == 1
+    model(x).backward()
+    r2 = w.step()  # still failing: counted again, nothing left to withdraw
+    assert r2.events == [] and w.monitor_errors_total == 2 and "0" in r2.unmitigable
+
+
+def test_modes_that_ran_keep_their_events_applied():
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    model = nn.Sequential(SmallAttention(sdpa))
+    w = fw.watch(model, every_n_steps=1)
+    x = torch.randn(2, 8, 32)
+    model(x).backward()  # a monitored forward with STANDARD modes...
+    w.set_head_modes("0", [Mode.BETA, Mode.STANDARD])  # ...then modes, then step()
+    r0 = w.step()
+    assert r0.unmitigable == {} and w.monitor_errors_total == 0  # not judged on that call
+    for _ in range(2):
+        model(x).backward()
+        r = w.step()
+        assert r.unmitigable == {} and r.heads[0].head_mode == Mode.BETA
+    assert [e.applied for e in w.events] == [True] and w.monitor_errors_total == 0
+
+
+def test_a_layer_whose_routing_fails_is_unmitigable_and_its_policy_event_withdrawn(
+        monkeypatch):
+    """An "auto" switch whose kernel raises: the call falls back to SDPA (training goes
+    on), the policy's event is withdrawn and the layer reported with the failure."""
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    def broken(*a, **kw):
+        raise RuntimeError("kernel exploded")
+
+    model = nn.Sequential(SmallAttention(sdpa))
+    w = fw.watch(model, every_n_steps=1, mitigation="auto")
+    x = torch.randn(2, 8, 32)
+    model(x).backward()
+    w.step()
+    monkeypatch.setattr(fw_dispatch, "_dispatch", broken)
+    w._set_modes(w._states[0], torch.tensor([int(Mode.BETA), 0], dtype=torch.int32))
+    from flashwatch.report import Event  # as the policy would record it
+    event = Event(step=1, layer="0", head=0, from_mode=Mode.STANDARD, to_mode=Mode.BETA,
+                  reason="policy", applied=True)
+    w._events.append(event)
+    w._states[0].pending.append(event)
+    out = model(x)
+    out.backward()
+    assert torch.isfinite(out)
+    r = w.step()
+    assert "routing failed (RuntimeError: kernel exploded)" in r.unmitigable["0"]
+    assert not event.applied and [e.applied for e in r.events if e.reason.startswith(
+        "policy")] == [False]
+    assert r.heads[0].head_mode == Mode.STANDARD
+
+
 def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
     def rotaryish(q, k, v):  # like HF Llama under autocast: FP32 q, k (rotary), BF16 v
         return F.scaled_dot_product_attention(q.float(), k.float(), v, is_causal=True)
@@ -910,6 +991,20 @@ def test_activation_checkpointing_counts_each_forward_once(how, route_all, rows)
                 else:
                     assert va == hb[key], key
             assert math.isfinite(ha["delta_error_sum"])
+
+
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+def test_modes_under_activation_checkpointing_run_and_their_events_stand(how):
+    torch.manual_seed(0)
+    model = _checkpointed(GPT(GPTConfig(**SMALL)), how)
+    w = fw.watch(model, every_n_steps=1)
+    layer = w.sites[0].name
+    w.set_head_modes(layer, [Mode.BETA] * SMALL["n_head"])
+    reports, _ = _train(model, w, 2)
+    assert [r.unmitigable for r in reports] == [{}, {}] and w.monitor_errors_total == 0
+    assert len(w.events) == SMALL["n_head"] and all(e.applied for e in w.events)
+    assert [h.head_mode for h in reports[-1].heads if h.layer == layer] == [Mode.BETA] * 4
+    assert all(st.module_calls == 0 for st in w._states)  # reset by each report
 
 
 def test_hugging_face_gradient_checkpointing_counts_each_forward_once():

@@ -1,0 +1,100 @@
+"""flashwatch/attach.py: the forward swap, the step hooks armed on monitored steps only,
+and recompute detection."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from test_compile import SMALL, _fresh_dynamo, _gpt  # noqa: F401  (the autouse fixture)
+from torch._dynamo.testing import CompileCounter
+from torch.utils.checkpoint import checkpoint
+
+import flashwatch as fw
+from flashwatch import attach
+
+
+def _step(model, watcher, seed=0):
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    model.zero_grad(set_to_none=False)  # keep .grad tensors: hooks must not depend on it
+    return watcher.step()
+
+
+def _hook_counts(model):
+    """(forward pre-hooks on every c_attn, post-accumulate-grad hooks on its weight)."""
+    pre = sum(len(b.attn.c_attn._forward_pre_hooks) for b in model.transformer.h)
+    grad = sum(len(getattr(b.attn.c_attn.weight, "_post_accumulate_grad_hooks", None) or {})
+               for b in model.transformer.h)
+    return pre, grad
+
+
+def test_step_hooks_are_registered_on_monitored_steps_only():
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=3)
+    n = SMALL["n_layer"]
+    seen = []
+    for step in range(7):
+        seen.append(_hook_counts(model))
+        report = _step(model, w, seed=step)
+        if step % 3 == 0:  # the monitored step still measured its share of dW^Q
+            assert all(math.isfinite(h.delta_error_share) for h in report.heads)
+    assert seen == [(n, n) if s % 3 == 0 else (0, 0) for s in range(7)]
+    w.remove()
+    assert _hook_counts(model) == (0, 0)
+
+
+def test_paused_steps_and_resumed_state_arm_the_hooks_of_the_step_they_are_at():
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=2)
+    _step(model, w)
+    state = w.state_dict()  # taken at step 1: unmonitored
+    w.remove()
+    w2 = fw.watch(model, every_n_steps=2)
+    assert _hook_counts(model) == (2, 2)  # a new watcher starts at a monitored step 0
+    w2.load_state_dict(state)
+    assert _hook_counts(model) == (0, 0)
+    w2.remove()
+
+
+def test_compiled_unmonitored_steps_do_not_recompile_when_hooks_come_and_go():
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=2)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    for step in range(4):  # two monitored/unmonitored cycles: every graph variant exists
+        _step(compiled, w, seed=step)
+    frames = counter.frame_count
+    for step in range(4, 10):
+        report = _step(compiled, w, seed=step)
+        if report is not None:
+            assert all(math.isfinite(h.delta_error_share) for h in report.heads)
+    assert counter.frame_count == frames
+    w.remove()
+
+
+def test_a_watched_module_gets_one_shared_subclass_and_gets_its_class_back():
+    model = _gpt()
+    base = type(model.transformer.h[0].attn)
+    w = fw.watch(model)
+    classes = {type(b.attn) for b in model.transformer.h}
+    assert len(classes) == 1 and issubclass(classes.pop(), base)
+    assert all(attach.LINK in b.attn.__dict__ for b in model.transformer.h)
+    w.remove()
+    assert all(type(b.attn) is base and attach.LINK not in b.attn.__dict__
+               for b in model.transformer.h)
+
+
+def test_recomputing_is_true_only_inside_a_checkpoint_recompute():
+    seen = []
+
+    def f(x):
+        seen.append(attach.recomputing())
+        return x.sin()
+
+    x = torch.randn(4, requires_grad=True)
+    checkpoint(f, x, use_reentrant=False).sum().backward()
+    checkpoint(f, x, use_reentrant=True).sum().backward()
+    assert seen == [False, True, False, True]
