@@ -15,8 +15,9 @@ Three mechanisms, all undone by `Attachment.detach()`:
              input X, and a post-accumulate-grad hook on its weight keeps ‖dW^Q_h‖²
              (delta_error_share). The watcher arms them when a monitored step begins and
              disarms them after its report, so an unmonitored step runs no flashwatch
-             Python in the model at all (the always-on hooks cost 1-4 % of a compiled
-             CPU step: benchmarks/RESULTS.md, "Watcher overhead").
+             Python in the model at all (benchmarks/RESULTS.md, "Watcher overhead").
+  stance     measured steps run every compiled function eagerly (`force_eager`): see
+             `Attachment.force_eager`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +104,21 @@ def recomputing() -> bool:
     plain forward runs outside any graph task (id -1)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
+
+
+# Attachments whose watcher measures the current step, and the stance to go back to.
+_MEASURING: weakref.WeakSet = weakref.WeakSet()
+_PRIOR_STANCE: list = [None]
+
+
+def _update_stance() -> None:
+    from torch._dynamo import eval_frame
+
+    if _MEASURING and _PRIOR_STANCE[0] is None:
+        _PRIOR_STANCE[0] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+    elif not _MEASURING and _PRIOR_STANCE[0] is not None:
+        eval_frame._set_stance(_PRIOR_STANCE[0])
+        _PRIOR_STANCE[0] = None
 
 
 class Attachment:
@@ -229,12 +246,31 @@ class Attachment:
             self._step_handles.append(
                 wq.register_post_accumulate_grad_hook(self.watcher._wq_grad_hook(st)))
 
+    def force_eager(self, on: bool) -> None:
+        """While a step is measured, every torch.compile'd function runs eagerly
+        (Dynamo's "force_eager" stance), so compiled models are measured without a graph
+        break. A graph break there would sit inside the model's loop over its layers,
+        where Dynamo cannot resume: it then runs that whole frame eagerly on every later
+        step too (a compiled GPT lost 2.7 % per unmonitored step after one monitored
+        step: benchmarks/RESULTS.md). The stance is process-wide: it holds while any
+        watcher measures, and the user's own comes back when none does."""
+        if on:
+            _MEASURING.add(self)
+        else:
+            _MEASURING.discard(self)
+        try:
+            _update_stance()
+        except Exception as e:  # e.g. step() called inside a compiled region
+            self.watcher._error("torch.compile stance", e)
+
+    # ------------------------------------------------------------------------ detach
     # ------------------------------------------------------------------------ detach
 
     def detach(self) -> None:
         """Undo everything: hooks, forwards, and any frame left by a forward that is
         still running (remove() called from inside the model)."""
         self.disarm()
+        self.force_eager(False)
         for unwrap in self._unwraps:
             unwrap()
         self._unwraps.clear()

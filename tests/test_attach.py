@@ -98,3 +98,21 @@ def test_recomputing_is_true_only_inside_a_checkpoint_recompute():
     checkpoint(f, x, use_reentrant=False).sum().backward()
     checkpoint(f, x, use_reentrant=True).sum().backward()
     assert seen == [False, True, False, True]
+
+
+def test_the_eager_stance_holds_while_any_watcher_measures():
+    a, b = _gpt(0), _gpt(1)
+    wa = fw.watch(a, every_n_steps=2)
+    wb = fw.watch(b, every_n_steps=3)
+    seen = []
+    for step in range(6):
+        seen.append(torch._dynamo.eval_frame._stance.stance)
+        _step(a, wa, seed=step)
+        _step(b, wb, seed=step)
+    # measured steps: a at 0, 2, 4; b at 0, 3
+    assert seen == ["force_eager", "default", "force_eager", "force_eager", "force_eager",
+                    "default"]
+    wa.remove()
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # b measures step 6
+    wb.remove()
+    assert torch._dynamo.eval_frame._stance.stance == "default"

@@ -322,3 +322,26 @@ def test_arm_table_pairs_arms_by_seed(tmp_path, capsys):
     assert auto["final_loss_median"] == FLAT
     S.main(["--root", str(tmp_path), "--config", "c", "--arms-compare", "auto", "--json"])
     assert json.loads(capsys.readouterr().out)["arms"]["c"][0]["b"] == 2
+
+
+def test_tune_takes_the_threshold_that_catches_most_events_within_the_false_alarm_bar(
+        tmp_path):
+    """Five positive runs whose max logit reaches 150 at event − 200, five negatives that
+    reach 120 (one of them 200) at step 500: 100 catches all five but alarms in every
+    negative (5 false alarms in 10 runs: 0.5 per run); a threshold in (120, 150] catches
+    all five with one false alarm in ten runs (0.1 ≤ 0.2)."""
+    runs = []
+    for seed in range(5):
+        runs.append(S.load(write_run(tmp_path, "c", "unmitigated", seed, spike_at(700),
+                                     head=logit_above((500, N)))))
+    for seed in range(5, 10):
+        write_run(tmp_path, "c", "fused", seed, [FLAT] * N)
+        level = 200.0 if seed == 5 else 120.0
+        runs.append(S.load(write_run(
+            tmp_path, "c", "unmitigated", seed, [FLAT] * N,
+            head=lambda t, lv=level: dict(attention_max_logit=lv if t >= 500 else 10.0))))
+    low = S.detector_metrics(runs, "max_logit", {**TH, "max_logit": 100.0})
+    assert (low["hits"], low["false_alarms_per_run"]) == (5, 0.5)
+    got = S.tune(runs, "max_logit", TH)
+    assert got["within_bar"] and 120.0 < got["threshold"] <= 150.0
+    assert (got["hits"], got["false_alarms_per_run"], got["median_lead"]) == (5, 0.1, 200)
