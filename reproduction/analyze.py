@@ -318,7 +318,8 @@ def _plot_compare(rows, config: str, img: Path) -> None:
 
     img.mkdir(parents=True, exist_ok=True)
     colors = {"unmitigated": "tab:red", "auto": "tab:blue", "fp32_o": "tab:green",
-              "beta": "tab:purple", "fp32_delta": "tab:orange", "qk_clip": "tab:brown"}
+              "beta": "tab:purple", "fp32_delta": "tab:orange", "qk_clip": "tab:brown",
+              "fused": "tab:gray"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     seen = set()
     for r in rows:

@@ -445,6 +445,56 @@ def tune_all(runs: list[Run]) -> dict:
     return out
 
 
+# ---- plots (docs/REPRODUCTION.md) ----
+
+def plot(runs: list[Run], result: dict, img: Path, tag: str) -> list[Path]:
+    """Two figures: every run's loss-EMA gap to its fused twin (the outcome), and each
+    detector's alarms relative to the event of each positive run (the hit window
+    shaded). Returns the files written (IMG/benchmark_{gap,alarms}_TAG.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for r in runs:
+        twin = twin_dir(r.dir, r.seed)
+        if twin is None:
+            continue
+        ema = loss_ema([x["loss"] for x in read_jsonl(r.dir / "train.jsonl")])
+        tw = loss_ema([x["loss"] for x in read_jsonl(twin / "train.jsonl")])
+        n = min(len(ema), len(tw))
+        ax.plot(range(n), np.subtract(ema[:n], tw[:n]), lw=0.7, alpha=0.7,
+                color="tab:red" if r.positive else "tab:blue")
+    ax.axhline(GAP_NATS, color="k", ls="--", lw=0.8)
+    ax.set(xlabel="step", ylabel="loss EMA − fused twin's (nat)",
+           title=f"{tag}: red = degradation event, blue = none")
+    gap = img / f"benchmark_gap_{tag}.png"
+    fig.tight_layout()
+    fig.savefig(gap, dpi=110)
+    plt.close(fig)
+
+    names = list(result["detectors"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    ax.axvspan(-HIT_EARLIEST, -HIT_LATEST, color="tab:green", alpha=0.15)
+    for i, name in enumerate(names):
+        for r, rr in zip(runs, result["runs"], strict=True):
+            if r.positive and r.labelled:
+                x = [t - r.event_step for t in rr["alarms"][name]]
+                ax.plot(x, [i] * len(x), "|", color="k", ms=9, alpha=0.6)
+    ax.axvline(0, color="tab:red", lw=1)
+    ax.set_yticks(range(len(names)), [f"{n} ({result['thresholds'][n]:.3g})" for n in names])
+    ax.set(xlabel="alarm step − event step (positive runs); green: the hit window",
+           title=f"{tag}: alarms around the event")
+    ax.set_xlim(-1500, 1500)
+    alarms_png = img / f"benchmark_alarms_{tag}.png"
+    fig.tight_layout()
+    fig.savefig(alarms_png, dpi=110)
+    plt.close(fig)
+    return [gap, alarms_png]
+
+
 # ---- arms ----
 
 def mcnemar_exact(b: int, c: int) -> float:
@@ -546,6 +596,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     p.add_argument("--sweep", nargs="+", metavar=("DETECTOR", "V"),
                    help="the detector's metrics at each candidate threshold V")
+    p.add_argument("--plot", nargs=2, metavar=("DIR", "TAG"),
+                   help="also write DIR/benchmark_{gap,alarms}_TAG.png (plot())")
     p.add_argument("--tune", action="store_true",
                    help="tune every detector's threshold on the selected runs (tune())")
     p.add_argument("--arms-compare", nargs="+", metavar="ARM",
@@ -605,6 +657,8 @@ def main(argv=None) -> int:
         return 0
     result = score(runs, overrides)
     print(json.dumps(_clean(result)) if a.json else table(result))
+    if a.plot:
+        plot(runs, result, Path(a.plot[0]), a.plot[1])
     return 0
 
 
