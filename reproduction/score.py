@@ -29,6 +29,7 @@ Detectors: each is a function of the run's own logs up to step t (never the futu
 the twin), scored at every monitored step (train.jsonl ones: every step); records before
 settings.warmup are ignored. Per head, then the maximum over heads:
   drift_z       delta_drift_z
+  sign_z        |delta_sign_z|: the δ error's sign over the window, on every row
   delta_share   delta_error_share_mean, else delta_error_share (NaN in logs without either)
   wq_growth     wq_spectral_norm / its value at the first monitored step ≥ warmup − 1
   tie_trend     tied_rowmax_ratio minus its value LAG = 100 steps earlier (the last
@@ -40,8 +41,8 @@ Whole run:
                 mode event whose reason is not "set by user" (in "advise" mode: a head whose
                 recommended_mode is not STANDARD), 0 before. `flagged` alone is not an
                 alarm: the policy advises only after `patience` flagged steps.
-  combined      how many of drift_z, delta_share, wq_growth, tie_trend, logit_growth are at
-                or above their thresholds at the step
+  combined      how many of drift_z, sign_z, delta_share, wq_growth, tie_trend,
+                logit_growth are at or above their thresholds at the step
   loss_ema      the loss EMA minus its best value since warmup (baseline)
   grad_jump     grad_norm / the median grad_norm of the previous 100 steps since warmup
                 (baseline; from warmup + 100 on)
@@ -107,6 +108,7 @@ GRAD_HISTORY = 100  # grad_jump: median over this many previous steps
 # Placeholders until tuned on held-out seeds: flashwatch's own defaults where it has one.
 THRESHOLDS = {
     "drift_z": WatchConfig.drift_z_threshold,
+    "sign_z": 4.0,  # |z| of a mean-zero sum: ≈ N(0, 1)
     "delta_share": WatchConfig.delta_share_threshold,
     "wq_growth": WatchConfig.spectral_growth_threshold,
     "tie_trend": 0.05,
@@ -117,7 +119,8 @@ THRESHOLDS = {
     "loss_ema": 0.3,
     "grad_jump": 10.0,
 }
-RULES = ("drift_z", "delta_share", "wq_growth", "tie_trend", "logit_growth")  # combined
+RULES = ("drift_z", "sign_z", "delta_share", "wq_growth", "tie_trend",
+         "logit_growth")  # combined
 
 Series = tuple[np.ndarray, np.ndarray]  # (steps, scores), steps increasing
 
@@ -229,6 +232,7 @@ def detector_scores(reports: list[dict], train: list[dict], warmup: int) -> dict
     with np.errstate(divide="ignore", invalid="ignore"):  # zero or NaN norms and logits
         monitored = {
             "drift_z": _head_max(key("delta_drift_z")),
+            "sign_z": _head_max(np.abs(key("delta_sign_z"))),
             "delta_share": _head_max(share),
             "wq_growth": _head_max(wq / wq[:1] - 1),
             "tie_trend": _head_max(ties - _lagged(steps, ties)),

@@ -176,6 +176,16 @@ def test_logit_growth_drift_and_share_take_the_largest_head(tmp_path):
     assert S.alarms(run.scores["delta_share"], TH["delta_share"]) == [50]
 
 
+def test_sign_z_takes_the_largest_magnitude_of_either_sign(tmp_path):
+    def head(t):
+        return [dict(delta_sign_z=-6.0 if t >= 400 else 1.0),
+                dict(delta_sign_z=3.0 if t >= 200 else -2.0)]
+    run = S.load(write_run(tmp_path, "c", "unmitigated", 0, [FLAT] * N, head=head))
+    assert S.score_at(run.scores["sign_z"], 300) == 3.0
+    assert S.score_at(run.scores["sign_z"], 400) == 6.0
+    assert S.alarms(run.scores["sign_z"], TH["sign_z"]) == [400]
+
+
 def test_policy_is_the_first_advice_not_set_by_user_and_latches(tmp_path):
     def event(t, reason):
         return [dict(step=t, layer="transformer.h.0.attn", head=0, from_mode="STANDARD",
