@@ -46,7 +46,8 @@ Whole run:
   loss_ema      the loss EMA minus its best value since warmup (baseline)
   grad_jump     grad_norm / the median grad_norm of the previous 100 steps since warmup
                 (baseline; from warmup + 100 on)
-A detector is in alarm where its score ≥ THRESHOLDS[detector] (NaN: not in alarm). An
+A detector is in alarm where its score ≥ its threshold (NaN: not in alarm): PREREGISTERED,
+tuned on tuning seeds before the held-out ones were scored (--defaults: THRESHOLDS). An
 alarm is counted where the condition becomes true, unless within REFRACTORY = 100 steps of
 the last counted alarm (an episode that flickers is one alarm).
 
@@ -105,7 +106,8 @@ AUROC_BEFORE = 50  # AUROC compares scores this many steps before the event
 LAG = 100  # tie_trend and logit_growth: against the value this many steps earlier
 GRAD_HISTORY = 100  # grad_jump: median over this many previous steps
 
-# Placeholders until tuned on held-out seeds: flashwatch's own defaults where it has one.
+# Starting points (flashwatch's own defaults where it has one): what tune() starts from,
+# and the thresholds of --defaults.
 THRESHOLDS = {
     "drift_z": WatchConfig.drift_z_threshold,
     "sign_z": 4.0,  # |z| of a mean-zero sum: ≈ N(0, 1)
@@ -118,6 +120,26 @@ THRESHOLDS = {
     "max_logit": QK_CLIP_TAU,
     "loss_ema": 0.3,
     "grad_jump": 10.0,
+}
+
+# The pre-registered thresholds the CLI scores with: tune() on the tuning seeds only
+# (nope-grammar-warm, seeds 0–39 with seed % 4 != 3; 7 positive, 23 negative), by
+#   python -m reproduction.score --root runs/v3 --config nope-grammar-warm \
+#       --exclude-mod 4 3 --tune
+# committed before any held-out run (seeds ≡ 3 mod 4, and all of pe-grammar-warm) was
+# scored (docs/REPRODUCTION.md names the commit). Changing them needs fresh seeds.
+PREREGISTERED = {  # tune()'s picks, exactly (a quantile of the scores: rounding moves hits)
+    "drift_z": 4.0,  # no alarm at all on the tuning seeds: left at the default
+    "sign_z": 4.8379230754885,
+    "delta_share": 4.036234282870803,
+    "wq_growth": 16.74574995737975,
+    "tie_trend": 0.677734375,
+    "logit_growth": 12.500767373304727,
+    "policy": 0.5,
+    "combined": 1.0,
+    "max_logit": 5952.0,
+    "loss_ema": 0.25628375776808276,
+    "grad_jump": 312.44579693516613,
 }
 RULES = ("drift_z", "sign_z", "delta_share", "wq_growth", "tie_trend",
          "logit_growth")  # combined
@@ -602,6 +624,8 @@ def main(argv=None) -> int:
                    help="the detector's metrics at each candidate threshold V")
     p.add_argument("--plot", nargs=2, metavar=("DIR", "TAG"),
                    help="also write DIR/benchmark_{gap,alarms}_TAG.png (plot())")
+    p.add_argument("--defaults", action="store_true",
+                   help="score with THRESHOLDS (the starting points), not PREREGISTERED")
     p.add_argument("--tune", action="store_true",
                    help="tune every detector's threshold on the selected runs (tune())")
     p.add_argument("--arms-compare", nargs="+", metavar="ARM",
@@ -613,7 +637,7 @@ def main(argv=None) -> int:
         if name not in THRESHOLDS or not value:
             p.error(f"--thresholds {kv!r}: expected NAME=VALUE, NAME one of {list(THRESHOLDS)}")
         overrides[name] = float(value)
-    th = {**THRESHOLDS, **overrides}
+    th = {**(THRESHOLDS if a.defaults else PREREGISTERED), **overrides}
 
     if a.arms_compare:
         if not a.config:
@@ -659,7 +683,7 @@ def main(argv=None) -> int:
             print(f"| {name} threshold | {METRIC_HEADER}\n" + "|" + "---|" * 7)
             print("\n".join(f"| {m['threshold']:g} | {_metric_cells(m)}" for m in sweep))
         return 0
-    result = score(runs, overrides)
+    result = score(runs, th)
     print(json.dumps(_clean(result)) if a.json else table(result))
     if a.plot:
         plot(runs, result, Path(a.plot[0]), a.plot[1])

@@ -283,7 +283,9 @@ def test_cli_json_round_trip(tmp_path, capsys):
     write_run(tmp_path, "c", "fused", 1, [FLAT] * N)
     write_run(tmp_path, "c", "unmitigated", 1, [FLAT] * N, head=logit_above((500, 520)))
     write_run(tmp_path, "c", "unmitigated", 2, [FLAT] * N)  # no twin, no spike
-    assert S.main(["--root", str(tmp_path), "--json"]) == 0
+    assert S.main(["--root", str(tmp_path), "--json"]) == 0  # the pre-registered ones
+    assert json.loads(capsys.readouterr().out)["thresholds"] == S.PREREGISTERED
+    assert S.main(["--root", str(tmp_path), "--json", "--defaults"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"outcome", "thresholds", "runs", "detectors"}
     assert out["outcome"]["GAP_NATS"] == 0.2 and out["outcome"]["SUSTAIN"] == 100
@@ -300,17 +302,18 @@ def test_cli_json_round_trip(tmp_path, capsys):
     assert set(m) == {"n_pos", "n_neg", "hits", "hit_rate", "wilson_low", "wilson_high",
                       "median_lead", "false_alarms_per_run", "late", "auroc"}
 
-    S.main(["--root", str(tmp_path), "--json", "--thresholds", "max_logit=200",
-            "--seeds-mod", "2", "0"])
+    S.main(["--root", str(tmp_path), "--json", "--defaults", "--thresholds",
+            "max_logit=200", "--seeds-mod", "2", "0"])
     out = json.loads(capsys.readouterr().out)
     assert [r["seed"] for r in out["runs"]] == [0, 2]
     assert out["thresholds"]["max_logit"] == 200 and out["runs"][0]["alarms"]["max_logit"] == []
 
-    S.main(["--root", str(tmp_path), "--json", "--sweep", "max_logit", "100", "200"])
+    S.main(["--root", str(tmp_path), "--json", "--defaults", "--sweep", "max_logit", "100",
+            "200"])
     sweep = json.loads(capsys.readouterr().out)["sweep"]
     assert [(s["threshold"], s["hits"]) for s in sweep] == [(100, 1), (200, 0)]
 
-    S.main(["--root", str(tmp_path)])
+    S.main(["--root", str(tmp_path), "--defaults"])
     text = capsys.readouterr().out
     assert "| max_logit | 100 | 1/1 |" in text and "unlabelled" in text
     with pytest.raises(SystemExit):
