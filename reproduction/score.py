@@ -523,6 +523,31 @@ def plot(runs: list[Run], result: dict, img: Path, tag: str) -> list[Path]:
 
 # ---- arms ----
 
+def plot_arms(rows: list[dict], img: Path, tag: str) -> Path:
+    """Final loss of every run per arm (one dot per seed, the median as a bar)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(rows):
+        y = [v for v in r["final_losses"].values() if math.isfinite(v)]
+        x = i + np.linspace(-0.15, 0.15, len(y)) if len(y) > 1 else [i] * len(y)
+        ax.plot(x, y, "o", ms=3, alpha=0.6)
+        if y:
+            ax.plot([i - 0.3, i + 0.3], [statistics.median(y)] * 2, color="k", lw=2)
+    ax.set_xticks(range(len(rows)), [f"{r['arm']}\n{r['events']}/{r['labelled']} events"
+                                     for r in rows])
+    ax.set(ylabel="final loss (mean of the last 100 steps)", title=tag)
+    out = img / f"benchmark_arms_{tag}.png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def mcnemar_exact(b: int, c: int) -> float:
     """Two-sided exact McNemar p-value: b and c discordant pairs, Binomial(b + c, 1/2)."""
     n = b + c
@@ -536,12 +561,15 @@ def _median_or_none(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def arm_table(root: Path, config: str, arms: list[str]) -> list[dict]:
+def arm_table(root: Path, config: str, arms: list[str],
+              seeds: set[int] | None = None) -> list[dict]:
     """Per arm of one configuration: runs, event rate (over labelled runs), median final
     loss (NaN counts as +inf: a diverged run is the worst), and against the unmitigated
     run of the same seed: b = pairs where only unmitigated had an event, c = only the arm,
-    the exact McNemar p, the median final-loss difference arm − unmitigated (finite pairs)."""
-    by_arm = {a: {r.seed: r for r in find_runs(root, [config], a, scores=False)}
+    the exact McNemar p, the median final-loss difference arm − unmitigated (finite pairs).
+    seeds: only these seeds (e.g. those every arm has), else all."""
+    by_arm = {a: {r.seed: r for r in find_runs(root, [config], a, scores=False)
+                  if seeds is None or r.seed in seeds}
               for a in dict.fromkeys(["unmitigated", *arms])}
     base = by_arm["unmitigated"]
     rows = []
@@ -557,6 +585,7 @@ def arm_table(root: Path, config: str, arms: list[str]) -> list[dict]:
         finals = [r.final_loss if math.isfinite(r.final_loss) else math.inf
                   for r in runs.values()]
         rows.append(dict(arm=arm, n=len(runs), labelled=len(labelled),
+                         final_losses={s: r.final_loss for s, r in sorted(runs.items())},
                          events=sum(r.positive for r in labelled),
                          event_rate=sum(r.positive for r in labelled) / len(labelled)
                          if labelled else None,
@@ -628,6 +657,8 @@ def main(argv=None) -> int:
                    help="score with THRESHOLDS (the starting points), not PREREGISTERED")
     p.add_argument("--tune", action="store_true",
                    help="tune every detector's threshold on the selected runs (tune())")
+    p.add_argument("--seeds", nargs="+", type=int,
+                   help="--arms-compare: only these seeds, for every arm")
     p.add_argument("--arms-compare", nargs="+", metavar="ARM",
                    help="event rates and final losses of these arms against unmitigated")
     a = p.parse_args(argv)
@@ -642,7 +673,11 @@ def main(argv=None) -> int:
     if a.arms_compare:
         if not a.config:
             p.error("--arms-compare needs --config")
-        tables = {c: arm_table(a.root, c, a.arms_compare) for c in a.config}
+        seeds = set(a.seeds) if a.seeds else None
+        tables = {c: arm_table(a.root, c, a.arms_compare, seeds) for c in a.config}
+        if a.plot:
+            for c, rows in tables.items():
+                plot_arms(rows, Path(a.plot[0]), f"{a.plot[1]}_{c}")
         if a.json:
             print(json.dumps(_clean({"arms": tables})))
             return 0

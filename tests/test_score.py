@@ -335,6 +335,11 @@ def test_arm_table_pairs_arms_by_seed(tmp_path, capsys):
     assert auto["final_loss_median"] == FLAT
     S.main(["--root", str(tmp_path), "--config", "c", "--arms-compare", "auto", "--json"])
     assert json.loads(capsys.readouterr().out)["arms"]["c"][0]["b"] == 2
+    only = S.arm_table(tmp_path, "c", ["auto"], seeds={1, 2})[0]  # seed 0 left out
+    assert (only["pairs"], only["b"], list(only["final_losses"])) == (2, 1, [1, 2])
+    S.main(["--root", str(tmp_path), "--config", "c", "--arms-compare", "unmitigated", "auto",
+            "--plot", str(tmp_path / "img"), "t"])
+    assert (tmp_path / "img" / "benchmark_arms_t_c.png").stat().st_size > 0
 
 
 def test_tune_takes_the_threshold_that_catches_most_events_within_the_false_alarm_bar(
