@@ -77,6 +77,10 @@ Non-finite numbers are written as JsonlSink writes them: NaN as null, ±inf as "
 --tune picks each detector's threshold on the selected runs (tune(): most hits with at
 most MAX_FALSE_ALARMS = 0.2 false alarms per run) and prints {"tuned": {detector:
 {"threshold", "within_bar", ...metrics}}}: run it on tuning seeds only.
+--basin CUT (exploratory, not pre-registered) prints, per configuration, how many runs
+of each arm end above CUT with McNemar against unmitigated, and the AUROC of each
+detector and of the loss EMA's level at steps 100–800 for that outcome: {config: {"cut",
+"arms": {arm: {"n", "high", "b", "c", "mcnemar_p"}}, "auroc": {step: {name: auroc}}}}.
 --sweep prints {"detector", "sweep": [{"threshold", ...the metrics above}]}; --arms-compare
 prints {"arms": {config: [arm_table rows]}}.
 """
@@ -595,6 +599,48 @@ def arm_table(root: Path, config: str, arms: list[str],
     return rows
 
 
+# ---- exploratory: which basin a run ends in (not pre-registered) ----
+
+BASIN_STEPS = (100, 200, 300, 500, 800)
+
+
+def _auroc_of(pos: list[float], neg: list[float]) -> float | None:
+    wins = [1.0 if p > n else 0.5 if p == n else 0.0 for p in pos for n in neg]
+    return sum(wins) / len(wins) if wins else None
+
+
+def basin(root: Path, config: str, cut: float, arms: list[str],
+          seeds: set[int] | None = None, thresholds: dict | None = None) -> dict:
+    """A post-hoc outcome, for what the runs suggest and fresh seeds must confirm: the
+    run ends above `cut` (final loss, mean of the last 100 steps). Per arm: how many do,
+    and McNemar against unmitigated by seed. For the unmitigated runs: the AUROC of each
+    detector's score, and of the loss EMA's level, at BASIN_STEPS for that outcome."""
+    th = thresholds or PREREGISTERED
+    by_arm = {a: {r.seed: r for r in find_runs(root, [config], a, scores=a == "unmitigated")
+                  if seeds is None or r.seed in seeds}
+              for a in dict.fromkeys(["unmitigated", *arms])}
+    base = by_arm["unmitigated"]
+    high = {a: {s: not r.final_loss <= cut for s, r in runs.items()}  # NaN: high
+            for a, runs in by_arm.items()}
+    out = {"cut": cut, "arms": {}, "auroc": {}}
+    for a in by_arm:
+        paired = [s for s in high[a] if s in base]
+        b = sum(high["unmitigated"][s] and not high[a][s] for s in paired)
+        c = sum(high[a][s] and not high["unmitigated"][s] for s in paired)
+        out["arms"][a] = dict(n=len(high[a]), high=sum(high[a].values()), b=b, c=c,
+                              mcnemar_p=mcnemar_exact(b, c))
+    runs = list(base.values())
+    label = [high["unmitigated"][r.seed] for r in runs]
+    emas = [loss_ema([x["loss"] for x in read_jsonl(r.dir / "train.jsonl")]) for r in runs]
+    for t in BASIN_STEPS:
+        scores = {n: [score_at(series(r, n, th), t) for r in runs] for n in th}
+        scores["loss_level"] = [e[t] if t < len(e) else math.inf for e in emas]
+        out["auroc"][t] = {n: _auroc_of([v for v, y in zip(sc, label, strict=True) if y],
+                                        [v for v, y in zip(sc, label, strict=True) if not y])
+                           for n, sc in scores.items()}
+    return out
+
+
 # ---- output ----
 
 def _clean(x):
@@ -657,6 +703,9 @@ def main(argv=None) -> int:
                    help="score with THRESHOLDS (the starting points), not PREREGISTERED")
     p.add_argument("--tune", action="store_true",
                    help="tune every detector's threshold on the selected runs (tune())")
+    p.add_argument("--basin", type=float, metavar="CUT",
+                   help="exploratory: runs ending above CUT (basin()); arms from "
+                        "--arms-compare")
     p.add_argument("--seeds", nargs="+", type=int,
                    help="--arms-compare: only these seeds, for every arm")
     p.add_argument("--arms-compare", nargs="+", metavar="ARM",
@@ -670,6 +719,27 @@ def main(argv=None) -> int:
         overrides[name] = float(value)
     th = {**(THRESHOLDS if a.defaults else PREREGISTERED), **overrides}
 
+    if a.basin is not None:
+        if not a.config:
+            p.error("--basin needs --config")
+        seeds = set(a.seeds) if a.seeds else None
+        res = {c: basin(a.root, c, a.basin, a.arms_compare or [], seeds) for c in a.config}
+        if a.json:
+            print(json.dumps(_clean(res)))
+            return 0
+        for c, r in res.items():
+            print(f"{c}: final loss above {a.basin}\n\n| arm | runs | above | b | c | "
+                  "McNemar p |\n|---|---|---|---|---|---|")
+            for arm, m in r["arms"].items():
+                print(f"| {arm} | {m['n']} | {m['high']} | {m['b']} | {m['c']} | "
+                      f"{m['mcnemar_p']:.2g} |")
+            names = list(next(iter(r["auroc"].values())))
+            print("\nAUROC for it, unmitigated runs, by step\n\n| step | " + " | ".join(names)
+                  + " |\n|" + "---|" * (len(names) + 1))
+            for t, row in r["auroc"].items():
+                print(f"| {t} | " + " | ".join(_f(row[n]) for n in names) + " |")
+            print()
+        return 0
     if a.arms_compare:
         if not a.config:
             p.error("--arms-compare needs --config")

@@ -363,3 +363,21 @@ def test_tune_takes_the_threshold_that_catches_most_events_within_the_false_alar
     got = S.tune(runs, "max_logit", TH)
     assert got["within_bar"] and 120.0 < got["threshold"] <= 150.0
     assert (got["hits"], got["false_alarms_per_run"], got["median_lead"]) == (5, 0.1, 200)
+
+
+def test_basin_counts_runs_ending_high_and_scores_the_early_loss_level(tmp_path, capsys):
+    """Seeds 0, 1 end at 3.0 (their loss is high from step 0), seed 2 at FLAT; the arm
+    "clip" ends at FLAT everywhere: 2 runs above the cut, both rescued by clip."""
+    for seed in range(3):
+        level = 3.0 if seed < 2 else FLAT
+        write_run(tmp_path, "c", "unmitigated", seed, [level] * N)
+        write_run(tmp_path, "c", "clip", seed, [FLAT] * N)
+    res = S.basin(tmp_path, "c", 2.5, ["clip"])
+    assert res["arms"]["unmitigated"]["high"] == 2
+    clip = res["arms"]["clip"]
+    assert (clip["high"], clip["b"], clip["c"]) == (0, 2, 0)
+    assert clip["mcnemar_p"] == S.mcnemar_exact(2, 0)
+    assert all(row["loss_level"] == 1.0 for row in res["auroc"].values())
+    assert S.main(["--root", str(tmp_path), "--config", "c", "--basin", "2.5",
+                   "--arms-compare", "clip", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["c"]["arms"]["clip"]["b"] == 2
