@@ -699,6 +699,9 @@ def main(argv=None) -> int:
                    help="the detector's metrics at each candidate threshold V")
     p.add_argument("--plot", nargs=2, metavar=("DIR", "TAG"),
                    help="also write DIR/benchmark_{gap,alarms}_TAG.png (plot())")
+    p.add_argument("--whole", nargs="+", metavar="C",
+                   help="also these configurations, every seed (a configuration held out "
+                        "whole next to the seed-filtered --config ones)")
     p.add_argument("--defaults", action="store_true",
                    help="score with THRESHOLDS (the starting points), not PREREGISTERED")
     p.add_argument("--tune", action="store_true",
@@ -764,6 +767,8 @@ def main(argv=None) -> int:
         return 0
 
     runs = find_runs(a.root, a.config, a.arm, a.seeds_mod, a.exclude_mod)
+    if a.whole:  # held out whole: no seed filter
+        runs += find_runs(a.root, a.whole, a.arm)
     if not runs:
         p.error(f"no finished {a.arm} runs under {a.root}")
     if a.tune:

@@ -278,6 +278,16 @@ def test_seed_filters(tmp_path):
     assert [r.seed for r in S.find_runs(tmp_path, exclude_mod=(4, 3))] == [0, 1, 2, 4, 5, 6]
 
 
+def test_a_configuration_held_out_whole_joins_the_filtered_one(tmp_path, capsys):
+    for seed in range(4):
+        write_run(tmp_path, "a", "unmitigated", seed, [FLAT] * 200)
+        write_run(tmp_path, "b", "unmitigated", seed, [FLAT] * 200)
+    S.main(["--root", str(tmp_path), "--config", "a", "--seeds-mod", "4", "3", "--whole", "b",
+            "--json"])
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [(r["config"], r["seed"]) for r in runs] == [("a", 3)] + [("b", s) for s in range(4)]
+
+
 def test_cli_json_round_trip(tmp_path, capsys):
     write_run(tmp_path, "c", "unmitigated", 0, spike_at(600), head=logit_above((400, N)))
     write_run(tmp_path, "c", "fused", 1, [FLAT] * N)
