@@ -265,10 +265,15 @@ def deltas(files: list[Path], batches: int = 16) -> str:
 
 def summaries(root: Path) -> str:
     """One compact JSON record per run under root/CONFIG/ARM-sSEED, for committing
-    (reproduction/results_v2.json) in place of the run logs."""
+    (reproduction/results_v2.json, results_v3.json) in place of the run logs, with the
+    detection benchmark's outcome (reproduction/score.py: event step and kind, final gap
+    to the fused twin)."""
+    from reproduction.score import load  # the detection benchmark's outcome
+
     out = []
     for d in sorted(root.glob("*/*/summary.json")):
         summ = json.loads(d.read_text())
+        run = load(d.parent, scores=False)
         train = [json.loads(x) for x in (d.parent / "train.jsonl").read_text().splitlines()]
         last = json.loads((d.parent / "flashwatch.jsonl").read_text().splitlines()[-1])
         logits = [h["attention_max_logit"] for h in last["heads"]
@@ -280,7 +285,9 @@ def summaries(root: Path) -> str:
             max_grad_norm=round(max(r["grad_norm"] for r in train), 3),
             max_logit_end=max(logits, default=None), qk_clips=summ.get("qk_clips_total"),
             first_alert=summ["first_alert"], flagged_heads=len(summ["flagged_heads"]),
-            final_modes={k: sorted(set(v)) for k, v in summ["final_modes"].items()}))
+            final_modes={k: sorted(set(v)) for k, v in summ["final_modes"].items()},
+            event_step=run.event_step, event_kind=run.event_kind,
+            final_gap=None if run.final_gap is None else round(run.final_gap, 4)))
     return json.dumps(out, indent=0)
 
 
