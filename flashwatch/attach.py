@@ -106,8 +106,12 @@ def recomputing() -> bool:
     return task is not None and task() != -1
 
 
-# Attachments whose watcher measures the current step, and the stance to go back to.
-_MEASURING: weakref.WeakSet = weakref.WeakSet()
+# ids of the attachments whose watcher measures the current step, and the stance to go
+# back to. Ids, not a WeakSet: an attachment dropped while measuring (a watcher never
+# removed, collected with its model) must also give the stance back, which its
+# finalizer does by id; a WeakSet would forget it without a word and leave every later
+# torch.compile in the process running eagerly.
+_MEASURING: set[int] = set()
 _PRIOR_STANCE: list = [None]
 
 
@@ -121,6 +125,24 @@ def _update_stance() -> None:
         _PRIOR_STANCE[0] = None
 
 
+def _measuring(key: int, on: bool) -> None:
+    if on:
+        _MEASURING.add(key)
+    else:
+        _MEASURING.discard(key)
+    _update_stance()
+
+
+def _forget(key: int) -> None:
+    """Finalizer of an Attachment: a collected watcher measures nothing."""
+    if key in _MEASURING:
+        try:
+            _measuring(key, False)
+        except Exception as e:  # a finalizer must not raise; say why the stance stays
+            log.warning("flashwatch: could not restore torch.compile's stance after a "
+                        "watcher was dropped while measuring: %s", e)
+
+
 class Attachment:
     """A watcher's hold on its model's watched layers (`watcher._attachment`)."""
 
@@ -131,6 +153,7 @@ class Attachment:
         self._unwraps: list = []
         self._step_handles: list = []  # hooks of the monitored step, when armed
         self.armed = False
+        weakref.finalize(self, _forget, id(self))
 
     # ------------------------------------------------------------------------ forward
 
@@ -254,16 +277,11 @@ class Attachment:
         step too (a compiled GPT lost 2.7 % per unmonitored step after one monitored
         step: benchmarks/RESULTS.md). The stance is process-wide: it holds while any
         watcher measures, and the user's own comes back when none does."""
-        if on:
-            _MEASURING.add(self)
-        else:
-            _MEASURING.discard(self)
         try:
-            _update_stance()
+            _measuring(id(self), on)
         except Exception as e:  # e.g. step() called inside a compiled region
             self.watcher._error("torch.compile stance", e)
 
-    # ------------------------------------------------------------------------ detach
     # ------------------------------------------------------------------------ detach
 
     def detach(self) -> None:

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import math
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -355,14 +356,21 @@ class Watcher:
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
         last one of a monitored step is the whole step's gradient, before clipping and
-        before the user's zero_grad, wherever they call watcher.step()."""
+        before the user's zero_grad, wherever they call watcher.step().
+        The hook holds the watcher and layer weakly: the weight's C++ side holds the
+        hook, and a cycle through it (watcher → layer → weight → hook → watcher) is one
+        Python's gc cannot see, so a watcher (and the layers it holds) dropped without
+        remove() would never be collected."""
+        w_ref, st_ref = weakref.ref(self), weakref.ref(st)
+
         def hook(param):
-            if not self._measuring or self._removed or param.grad is None:
+            w, st = w_ref(), st_ref()
+            if w is None or st is None or not w._measuring or w._removed or param.grad is None:
                 return
             try:
                 st.wq_grad_sq, st.wq_grad_averaged = wq_grad_sq(st.site, param.grad)
             except Exception as e:
-                self._error(f"W^Q gradient {st.site.name}", e)
+                w._error(f"W^Q gradient {st.site.name}", e)
         return hook
 
     # ------------------------------------------------------------- attention handling

@@ -116,3 +116,20 @@ def test_the_eager_stance_holds_while_any_watcher_measures():
     assert torch._dynamo.eval_frame._stance.stance == "force_eager"  # b measures step 6
     wb.remove()
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_a_watcher_dropped_while_measuring_gives_the_stance_back():
+    """A watcher never removed, collected with its model while the next step is to be
+    measured, must not leave every later torch.compile in the process running eagerly."""
+    import gc
+
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=1)
+    _step(model, w)
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    del model, w
+    gc.collect()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    compiled = torch.compile(lambda x: x.sin() * 2, backend=CompileCounter())
+    compiled(torch.randn(3))
+    assert compiled._torchdynamo_orig_callable is not None
