@@ -15,10 +15,15 @@ def _rows(q, b, t):
     return q[b, :, t]
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "float"])
-def test_recompute_matches_fp64_rows(mask_kind):
+def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, monkeypatch):
+    """chunk_bytes=1: one batch element per chunk (the path large models take), with
+    groups of unequal size padded to the largest."""
+    if chunk_bytes is not None:
+        monkeypatch.setattr(probe, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
-    B, H, N, D = 2, 3, 37, 16
+    B, H, N, D = 3, 3, 37, 16
     q, k, v = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
     scale = D ** -0.5
     mask = None
@@ -28,6 +33,7 @@ def test_recompute_matches_fp64_rows(mask_kind):
     elif mask_kind == "float":
         mask = torch.randn(1, H, N, N, generator=g)
     b, t = probe.sample_rows(g, B, N, 20)
+    assert len(set(torch.bincount(b).tolist())) > 1  # groups of unequal size
     o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=mask_kind == "causal",
                                              scale=scale, attn_mask=mask, eps=1e-3)
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
