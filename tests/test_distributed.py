@@ -264,3 +264,27 @@ def test_sampled_sums_do_not_change_with_the_world_size(tmp_path):
     for key, h in alone.items():
         assert abs(h.delta_error_sum) > 0
         assert got[key].delta_error_sum == pytest.approx(h.delta_error_sum / 2, rel=1e-6), key
+
+
+def test_spectral_norms_batches_plain_sites_and_keeps_each_ones_failure_its_own():
+    """Two layers of one shape (one batched iteration) and a layer of another shape,
+    cold then warm: each σ is the exact one of its own W^Q; a site whose W^Q cannot be
+    read gets its exception and leaves the others' norms alone."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(**SMALL))
+    other = GPT(GPTConfig(**{**SMALL, "n_embd": 48, "n_head": 3}))
+    sites = find_sites(gpt) + find_sites(other)[:1]
+    broken = find_sites(other)[1]
+    broken.wq_source = lambda: torch.zeros(7)  # not [H·D, d_model]: wq() raises
+    sites.insert(1, broken)
+    vs = [None] * len(sites)
+    for _ in range(2):  # cold, then warm from the returned vectors
+        got = fw_dist.spectral_norms(sites, vs, 4, tol=1e-10, max_iters=500)
+        assert isinstance(got[1], RuntimeError)
+        for i in (0, 2, 3):
+            sigma, v = got[i]
+            assert sigma.shape == (sites[i].num_heads,)
+            assert v.shape == (sites[i].num_heads, sites[i].d_model)
+            exact = _exact(sites[i].wq())
+            assert torch.allclose(sigma.double(), exact, rtol=1e-4), (i, sigma, exact)
+        vs = [None if isinstance(g, Exception) else g[1] for g in got]
