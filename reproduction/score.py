@@ -82,7 +82,8 @@ of each arm end above CUT with McNemar against unmitigated, and the AUROC of eac
 detector and of the loss EMA's level at steps 100–800 for that outcome: {config: {"cut",
 "arms": {arm: {"n", "high", "b", "c", "mcnemar_p"}}, "auroc": {step: {name: auroc}}}}.
 --sweep prints {"detector", "sweep": [{"threshold", ...the metrics above}]}; --arms-compare
-prints {"arms": {config: [arm_table rows]}}.
+prints {"arms": {config: [arm_table rows]}}; --control prints {"control": {config: {"n",
+"events", "swapped", "paper_worse", "sign_p", "final_gap_median"}}} (control()).
 """
 
 from __future__ import annotations
@@ -599,6 +600,29 @@ def arm_table(root: Path, config: str, arms: list[str],
     return rows
 
 
+def control(root: Path, config: str, seeds: set[int] | None = None) -> dict:
+    """The outcome's negative control, per configuration, over the seeds with both an
+    unmitigated run and its fused twin: `events` = unmitigated runs with an event;
+    `swapped` = seeds where the degradation rule fires with the roles swapped (the fused
+    run GAP_NATS worse than the paper one for SUSTAIN steps): how often two arithmetics
+    that diverge chaotically part this far with neither harmed; `paper_worse` = seeds
+    whose final loss is above the twin's, with the exact two-sided sign test and the
+    median final gap."""
+    runs = [r for r in find_runs(root, [config], "unmitigated", scores=False)
+            if r.final_gap is not None and (seeds is None or r.seed in seeds)]
+    swapped, gaps = 0, []
+    for r in runs:
+        mine = loss_ema([x["loss"] for x in read_jsonl(r.dir / "train.jsonl")])
+        twin = loss_ema([x["loss"] for x in read_jsonl(twin_dir(r.dir, r.seed) / "train.jsonl")])
+        swapped += degradation(twin, mine, r.warmup) is not None
+        gaps.append(r.final_gap)
+    worse = sum(g > 0 for g in gaps)
+    better = sum(g < 0 for g in gaps)
+    return dict(n=len(runs), events=sum(r.positive for r in runs), swapped=swapped,
+                paper_worse=worse, sign_p=mcnemar_exact(worse, better),
+                final_gap_median=_median_or_none(gaps))
+
+
 # ---- exploratory: which basin a run ends in (not pre-registered) ----
 
 BASIN_STEPS = (100, 200, 300, 500, 800)
@@ -713,6 +737,8 @@ def main(argv=None) -> int:
                    help="--arms-compare: only these seeds, for every arm")
     p.add_argument("--arms-compare", nargs="+", metavar="ARM",
                    help="event rates and final losses of these arms against unmitigated")
+    p.add_argument("--control", action="store_true",
+                   help="the outcome's negative control and sign test (control())")
     a = p.parse_args(argv)
     overrides = {}
     for kv in a.thresholds:
@@ -722,6 +748,20 @@ def main(argv=None) -> int:
         overrides[name] = float(value)
     th = {**(THRESHOLDS if a.defaults else PREREGISTERED), **overrides}
 
+    if a.control:
+        if not a.config:
+            p.error("--control needs --config")
+        seeds = set(a.seeds) if a.seeds else None
+        res = {c: control(a.root, c, seeds) for c in a.config}
+        if a.json:
+            print(json.dumps(_clean({"control": res})))
+            return 0
+        print("| configuration | seeds | events | events with the roles swapped | final "
+              "loss above the twin's | sign test p | median final gap |\n|" + "---|" * 7)
+        for c, r in res.items():
+            print(f"| {c} | {r['n']} | {r['events']} | {r['swapped']} | {r['paper_worse']} | "
+                  f"{_f(r['sign_p'], '.3g')} | {_f(r['final_gap_median'], '+.3f')} |")
+        return 0
     if a.basin is not None:
         if not a.config:
             p.error("--basin needs --config")

@@ -391,3 +391,24 @@ def test_basin_counts_runs_ending_high_and_scores_the_early_loss_level(tmp_path,
     assert S.main(["--root", str(tmp_path), "--config", "c", "--basin", "2.5",
                    "--arms-compare", "clip", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["c"]["arms"]["clip"]["b"] == 2
+
+
+def test_control_counts_gaps_with_the_roles_swapped_and_the_sign_of_the_final_gap(
+        tmp_path, capsys):
+    worse = [FLAT] * 300 + [FLAT + 0.5] * 700
+    short = [FLAT] * 300 + [FLAT + 0.5] * 60 + [FLAT] * 640  # parts < SUSTAIN steps
+    cases = {0: (worse, [FLAT] * N),  # the paper run degrades: an event
+             1: ([FLAT] * N, worse),  # the fused one does: the swapped rule fires
+             2: ([FLAT - 0.1] * N, short),  # better at the end, no event either way
+             3: ([FLAT + 0.1] * N, [FLAT] * N)}  # worse at the end, gap below the margin
+    for seed, (paper, fused) in cases.items():
+        write_run(tmp_path, "c", "unmitigated", seed, paper)
+        write_run(tmp_path, "c", "fused", seed, fused)
+    write_run(tmp_path, "c", "unmitigated", 4, worse)  # no twin: left out
+    got = S.control(tmp_path, "c")
+    assert (got["n"], got["events"], got["swapped"], got["paper_worse"]) == (4, 1, 1, 2)
+    assert got["sign_p"] == S.mcnemar_exact(2, 2) == 1.0
+    assert got["final_gap_median"] == pytest.approx(0.0)
+    assert S.control(tmp_path, "c", {0, 3})["paper_worse"] == 2
+    assert S.main(["--root", str(tmp_path), "--config", "c", "--control", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["control"]["c"]["swapped"] == 1
