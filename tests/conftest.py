@@ -25,27 +25,29 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_eager_stance():
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
     """A watcher that measures sets Dynamo's process-wide force_eager stance until its
     step ends or it is removed or collected. One left behind by a test would make every
     later torch.compile test compile nothing (a head-mode recompile test saw 0 frames),
     so a test that leaves it after its watchers are gone fails here, and the stance is
-    reset for the next test."""
-    yield
+    reset for the next test. Outermost teardown wrapper (tryfirst): it runs after every
+    fixture's teardown. A test whose watcher logged an error calls remove() itself: the
+    logged traceback's frames keep the test's locals, the watcher among them, alive."""
+    result = yield
     from torch._dynamo import eval_frame
 
-    if eval_frame._stance.stance == "default":
-        return
-    import gc
+    if eval_frame._stance.stance != "default":
+        import gc
 
-    gc.collect()  # watchers the test dropped give the stance back when collected
-    left = eval_frame._stance.stance
-    if left != "default":
-        eval_frame._set_stance(eval_frame.DynamoStance("default"))
-        from flashwatch import attach
+        gc.collect()  # watchers the test dropped give the stance back when collected
+        left = eval_frame._stance.stance
+        if left != "default":
+            from flashwatch import attach
 
-        attach._MEASURING.clear()
-        attach._PRIOR_STANCE[0] = None
-        pytest.fail(f"the test left Dynamo's stance at {left!r} (a watcher still "
-                    f"measuring and not removed)")
+            eval_frame._set_stance(eval_frame.DynamoStance("default"))
+            attach._MEASURING.clear()
+            attach._PRIOR_STANCE[0] = None
+            pytest.fail(f"{item.nodeid} left Dynamo's stance at {left!r} (a watcher still "
+                        f"measuring and not removed)")
+    return result

@@ -263,6 +263,7 @@ def test_a_failing_clip_is_counted_not_raised(monkeypatch):
     monkeypatch.setattr(qkclip, "scale_site", boom)
     report = _one_step(model, w, x)
     assert report is not None and w.monitor_errors_total == 1
+    w.remove()  # the logged error's traceback keeps the test's frame (and w) alive
 
 
 def _train(model, w, opt, steps, seed):

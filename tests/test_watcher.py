@@ -459,6 +459,7 @@ def test_a_layer_whose_routing_fails_is_unmitigable_and_its_policy_event_withdra
     assert not event.applied and [e.applied for e in r.events if e.reason.startswith(
         "policy")] == [False]
     assert r.heads[0].head_mode == Mode.STANDARD
+    w.remove()  # the logged error's traceback keeps the test's frame (and w) alive
 
 
 def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
@@ -632,6 +633,7 @@ def test_a_raising_sink_or_probe_never_stops_training(monkeypatch, caplog):
     logged = [r for r in caplog.records if r.name == "flashwatch"]
     assert len(logged) == 3  # once for the sink, once per layer's probe
     assert reports[-1].monitor_errors_total == 3
+    w.remove()  # the logged errors' tracebacks keep the test's frame (and w) alive
 
 
 def test_the_policy_sees_each_heads_max_logit(monkeypatch):
