@@ -67,7 +67,7 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -
     """`spectral_norm` of many sites: [(σ [H], v [H, d_model]) or the exception raised
     for that site]. Plain weights of one shape (most models: every layer's) run as ONE
     batched power iteration over all their heads, whose per-call cost on small models
-    is per-op overhead, not arithmetic (4 layers: 3.2 → 1.2 ms a layer on CPU); it
+    is per-op overhead, not arithmetic (4 layers, busy CPU: 3.2 → 1.9 ms a layer); it
     iterates until every head of the batch has settled. Sharded weights run site by
     site (each step is a collective)."""
     out: list = [None] * len(sites)
