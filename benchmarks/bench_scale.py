@@ -5,7 +5,8 @@ Usage: python benchmarks/bench_scale.py [--steps 5] [--d-head 8] [--seq 64] [--t
 1. A watcher over synthetic Llama-named models of 1×16, 16×64 and 80×64 heads (d_head
    and the sequence small, see the flags): per monitored step (every_n_steps=1, median
    of --steps), the time of the probe (forward + gradient hooks, the watcher's own
-   count), of watcher.step() and inside it the W^Q power iteration, the cross-rank
+   count), of watcher.step() and inside it the W^Q norms (flashwatch/spectral.py's
+   Gram-matrix norm: these weights are whole, not sharded), the cross-rank
    reduction (one process: the packing only), signals + policy and the rest (the
    per-head records); the exporter's write and page render (PrometheusSink without a
    server), the JSONL line (full and compact), Python memory allocated at peak in
@@ -103,24 +104,11 @@ class Timer:
         setattr(self.owner, self.name, self.inner)
 
 
-class Counter(Timer):
-    """Counts the calls instead (torch.bmm: the power iteration's only user in step())."""
-
-    def __init__(self, owner, name):
-        self.owner, self.name, self.seconds = owner, name, 0
-        self.inner = getattr(owner, name)
-
-        def counted(*args, **kwargs):
-            self.seconds += 1
-            return self.inner(*args, **kwargs)
-        setattr(owner, name, counted)
-
-
 def measure(n_layer, n_head, d_head, seq, steps) -> dict:
     torch.manual_seed(0)
     model = Model(n_layer, n_head, d_head)
     w = fw.watch(model, every_n_steps=1)
-    timers = dict(power=Timer(fw_watcher, "power_iteration"),
+    timers = dict(power=Timer(fw_watcher, "spectral_norms"),
                   reduce=Timer(fw_watcher.reduce, "all_reduce"),
                   signals=Timer(type(w._signals), "update"),
                   policy=Timer(type(w._policy), "decide"))
@@ -131,22 +119,19 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
                               full_every=DEFAULT_FULL_EVERY)
     rows = {k: [] for k in ("train", "probe", "step", "power", "reduce", "signals_policy",
                             "records", "prom_write", "prom_render", "client_render",
-                            "jsonl_full", "jsonl_compact", "power_iters")}
-    spectral_bmm_calls = Counter(fw.spectral.torch, "bmm")
+                            "jsonl_full", "jsonl_compact")}
     x = torch.randn(1, seq, n_head * d_head)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)  # W^Q moves between steps
-    for i in range(steps + 1):  # the first monitored step (cold power iteration) is dropped
+    for i in range(steps + 1):  # the first monitored step (warm-up) is dropped
         t0 = time.perf_counter()
         model(x).square().mean().backward()
         train = time.perf_counter() - t0
         probe = w._monitor_seconds
         for t in timers.values():
             t.take()
-        spectral_bmm_calls.take()
         t0 = time.perf_counter()
         report = w.step()
         step = time.perf_counter() - t0
-        iters = (spectral_bmm_calls.take() / n_layer - 1) / 2  # 2 per iteration + 1 per call
         opt.step()
         opt.zero_grad(set_to_none=True)
         parts = {k: t.take() for k, t in timers.items()}
@@ -166,7 +151,7 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
         for k, v in (("train", train - probe), ("probe", probe), ("step", step),
                      ("power", parts["power"]), ("reduce", parts["reduce"]),
                      ("signals_policy", parts["signals"] + parts["policy"]),
-                     ("records", step - sum(parts.values())), ("power_iters", iters),
+                     ("records", step - sum(parts.values())),
                      *sinks.items()):
             rows[k].append(v)
     # Python memory at peak in one more step(), apart: tracemalloc slows Python down
@@ -177,7 +162,7 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
     tracemalloc.stop()
     buf = io.BytesIO()
     torch.save(w.state_dict(), buf)
-    for t in (*timers.values(), spectral_bmm_calls):
+    for t in timers.values():
         t.restore()
     w.remove()
     jsonl_full.close()
@@ -277,7 +262,7 @@ def main() -> None:
     print("| measure | " + " | ".join(f"{L}×{H} = {L * H} heads" for L, H in shapes) + " |")
     print("|---|" + "---|" * len(shapes))
     names = [("train", "model fwd+bwd without the probe"), ("probe", "probe (fwd + grad hooks)"),
-             ("step", "watcher.step() (no sinks)"), ("power", "  W^Q power iteration"),
+             ("step", "watcher.step() (no sinks)"), ("power", "  W^Q norms (Gram)"),
              ("reduce", "  reduction (packing; 1 process)"),
              ("signals_policy", "  signals + policy"), ("records", "  per-head records, rest"),
              ("prom_write", "PrometheusSink.write"),
@@ -291,8 +276,6 @@ def main() -> None:
             per_head = "" if key in ("train", "probe") else f" ({1e6 * r[key] / r['heads']:.1f})"
             cells.append(f"{ms:.2f}{per_head}")
         print(f"| {label} | " + " | ".join(cells) + " |")
-    print("| power iterations per layer | "
-          + " | ".join(f"{r['power_iters']:.1f}" for r in res) + " |")
     print("| Python memory peak in step() (MB) | "
           + " | ".join(f"{r['step_peak_mb']:.1f}" for r in res) + " |")
     print("| watcher.state_dict() (torch.save bytes) | "

@@ -66,15 +66,20 @@ class WatchConfig:
       min_history     monitored steps of history before any decision. Default 16.
       verify_steps    monitored steps after a switch to BETA before deciding whether the
                       drift decayed; if not, escalate to FP32_O. Default 32.
-      power_iters     the least number of warm-started power-iteration steps per
-                      monitored step for the W^Q spectral norm; it goes on until σ
-                      changes by < 1e-6 (relative), at most power_max_iters. Default 4.
-      power_max_iters the most warm-started iterations per monitored step. Default 100:
-                      4–12 were needed at 80 layers × 64 heads (benchmarks/RESULTS.md);
-                      100 covers a fast-turning W^Q (4 left σ 1.6 % low once). At d_head
-                      128, d_model 8,192 one iteration reads W^Q twice, ≈ 0.11 ms per
-                      layer on an H100-class GPU: 80 layers at the cap ≈ 0.9 s per
-                      monitored step; lower it (≥ power_iters) to bound that.
+      power_iters     for a W^Q sharded over ranks (FSDP2 rows; a W^Q this process
+                      holds whole needs no iteration: its norm comes from the small
+                      d_head × d_head Gram matrix, flashwatch/spectral.py): the least
+                      number of warm-started power-iteration steps per monitored step;
+                      it goes on until σ changes by < 1e-5 (relative), at most
+                      power_max_iters. Default 4.
+      power_max_iters the most warm-started iterations per monitored step (sharded
+                      W^Q). Default 100: 4–12 were needed at 80 layers × 64 heads
+                      (benchmarks/RESULTS.md), 8–48 early in training with AdamW at lr
+                      1e-3 every 10 steps; 100 covers a fast-turning W^Q (4 left σ 1.6 %
+                      low once). At d_head 128, d_model 8,192 one iteration reads W^Q
+                      twice, ≈ 0.11 ms per layer on an H100-class GPU: 80 layers at the
+                      cap ≈ 0.9 s per monitored step; lower it (≥ power_iters) to bound
+                      that.
 
     Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
       delta_share_threshold  the δ error's share of the head's W^Q gradient at or above

@@ -17,8 +17,9 @@ and leaves σ and v bitwise identical on every rank (all ranks stop on the same 
 
 Other layouts (a Conv1D weight, whose W^Q columns are sharded; Shard(1); meshes of more
 than one dimension) fall back to gathering the DTensor view of W^Q with `full_tensor()`
-and the plain power iteration: correct, but it moves the whole W^Q (and, where DTensor
-must redistribute to slice it, the whole weight) every monitored step.
+and the plain `spectral.gram_norm`: correct, but it moves the whole W^Q (and, where
+DTensor must redistribute to slice it, the whole weight) every monitored step. Weights a
+process holds whole use `gram_norm` (no iteration, no warm start).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from flashwatch.sites import AttentionSite
 from flashwatch.spectral import (
     DEFAULT_SEED,
     WARM_MAX_ITERS,
+    gram_norm,
     iterate,
-    power_iteration,
     start_vector,
 )
 
@@ -49,9 +50,11 @@ def is_dtensor(t) -> bool:
 
 def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwargs
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(σ [H], v [H, d_model]) of site's W^Q, as `spectral.power_iteration`, for plain
-    and sharded weights alike. A sharded weight makes this a collective: every rank of
-    the weight's mesh must call it for the same site in the same order."""
+    """(σ [H], v [H, d_model]) of site's W^Q for plain and sharded weights alike:
+    `spectral.gram_norm` of a whole weight, the sharded power iteration (warm-started
+    from v, `iters` steps at least, **kwargs) of rows spread over ranks. A sharded
+    weight makes this a collective: every rank of the weight's mesh must call it for
+    the same site in the same order."""
     rows = local_wq_rows(site)
     if rows is not None:
         local, head, group = rows
@@ -60,16 +63,15 @@ def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwa
     w = site.wq()
     if is_dtensor(w):  # fallback: gather the view of W^Q (module docstring)
         w = w.full_tensor()
-    return power_iteration(w.float(), v, iters, **kwargs)
+    return gram_norm(w.float())
 
 
 def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -> list:
     """`spectral_norm` of many sites: [(σ [H], v [H, d_model]) or the exception raised
     for that site]. Plain weights of one shape (most models: every layer's) run as ONE
-    batched power iteration over all their heads, whose per-call cost on small models
-    is per-op overhead, not arithmetic (4 layers, busy CPU: 3.2 → 1.9 ms a layer); it
-    iterates until every head of the batch has settled. Sharded weights run site by
-    site (each step is a collective)."""
+    batched `gram_norm` over all their heads, whose cost on small models is per-op
+    overhead, not arithmetic. Sharded weights run site by site (each power-iteration
+    step is a collective); `iters` and **kwargs are theirs."""
     out: list = [None] * len(sites)
     groups: dict = {}
     for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
@@ -78,20 +80,18 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -
                 out[i] = spectral_norm(site, v, iters, **kwargs)
                 continue
             w = site.wq().float()
-            groups.setdefault((tuple(w.shape), w.device, v is None), []).append((i, w, v))
+            groups.setdefault((tuple(w.shape), w.device), []).append((i, w))
         except Exception as e:
             out[i] = e
-    for (_, _, cold), members in groups.items():
+    for members in groups.values():
         try:
-            w = torch.cat([m[1] for m in members])
-            v = None if cold else torch.cat([m[2].to(w.device, w.dtype) for m in members])
-            sigma, v = power_iteration(w, v, iters, **kwargs)
-            sizes = [m[1].shape[0] for m in members]
-            for (i, _, _), s_i, v_i in zip(members, sigma.split(sizes), v.split(sizes),
-                                           strict=True):
+            sigma, v = gram_norm(torch.cat([w for _, w in members]))
+            sizes = [w.shape[0] for _, w in members]
+            for (i, _), s_i, v_i in zip(members, sigma.split(sizes), v.split(sizes),
+                                        strict=True):
                 out[i] = (s_i, v_i)
         except Exception as e:
-            for i, _, _ in members:
+            for i, _ in members:
                 out[i] = e
     return out
 

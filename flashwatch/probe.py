@@ -1,6 +1,6 @@
 """The δ probe: FP32 recomputation of a few sampled query rows and the sketch terms.
 
-On a monitored step each watched attention call samples R query rows (b, t). For them:
+On a monitored step each watched attention call samples about R query rows (b, t). For them:
   O_fp32[T]  = softmax(s[T]) V in FP32 (s = scale·q[T]·Kᵀ from the input-dtype values)
   PK[T]      = softmax(s[T]) K (attention-weighted keys)
   c[T]       = rowsum(dO ∘ O_used)[T] - rowsum(dO ∘ O_fp32)[T]   (docs/design.md §5)
@@ -12,6 +12,7 @@ Cost per call ∝ R·N·D·H, against the layer's own N²·D·H.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,21 +20,40 @@ from flashwatch.kernels.common import no_autocast
 
 
 def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
-    """R = min(n_rows, batch·n_q) distinct (b, t) pairs, drawn from `generator`."""
-    total = batch * n_q
-    idx = torch.randperm(total, generator=generator)[: min(n_rows, total)]
-    return idx // n_q, idx % n_q
+    """About R = min(n_rows, batch·n_q) query rows, w distinct positions in each of E
+    batch elements: w = ⌈R/batch⌉ and E = ⌈R/w⌉ ≤ batch elements drawn at random, so
+    E·w rows, between R and R + w - 1 (exactly R when batch divides
+    it: 64 rows of B = 8, or every row). Every row has the same chance E·w/(batch·n_q)
+    of being drawn, so sums over the sample scaled by batch·n_q/(E·w) stay unbiased;
+    equal groups let `recompute` run every element's rows in one batched matmul.
+    Returns elems [E] and t [E, w] (int64, CPU), from `generator`."""
+    rows = min(n_rows, batch * n_q)
+    w = -(-rows // batch)
+    n_el = -(-rows // w)
+    elems = (torch.arange(batch) if n_el == batch
+             else torch.randperm(batch, generator=generator)[:n_el])
+    if w == n_q:
+        t = torch.arange(n_q).expand(n_el, n_q)
+    else:  # w distinct positions per element, uniformly (topk: 2× cheaper than a sort)
+        t = torch.rand(n_el, n_q, generator=generator).topk(w, -1).indices
+    return elems, t
 
 
-def recompute(q, k, v, b, t, *, causal: bool, scale: float, attn_mask=None, eps: float):
-    """FP32 attention for the sampled rows.
+def flat(elems, t):
+    """(b, t) of every sampled row, [E·w] each, in the order `recompute` returns them."""
+    return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
+
+
+def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float):
+    """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
+    element elems[j] (`sample_rows`; `flat` gives its (b, t)).
 
     q, k, v: [B, H, N, D] (k and v already repeated to H heads). attn_mask as SDPA's:
     bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
-    Returns o32 [R, H, D], pk [R, H, D], tied [R, H] bool, row_max [R, H] (fp32).
+    Returns o32 [E·w, H, D], pk [E·w, H, D], tied [E·w, H] bool, row_max [E·w, H] (fp32).
     """
     with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
-        return _recompute(q, k, v, b, t, causal, scale, attn_mask, eps)
+        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps)
 
 
 # FP32 K and V of at most this many bytes per chunk of batch elements: all of them at
@@ -42,64 +62,142 @@ def recompute(q, k, v, b, t, *, causal: bool, scale: float, attn_mask=None, eps:
 CHUNK_BYTES = 32 << 20
 
 
-def _recompute(q, k, v, b, t, causal, scale, attn_mask, eps):
+def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
     B, H, Nq, D = q.shape
-    Nk, Dv = k.shape[2], v.shape[-1]
-    R = len(b)
-    dev = q.device
-    o32 = torch.empty(R, H, Dv, device=dev)
-    pk = torch.empty(R, H, D, device=dev)
-    tied = torch.empty(R, H, dtype=torch.bool, device=dev)
-    row_max = torch.empty(R, H, device=dev)
+    Nk = k.shape[2]
+    E, w = t.shape
     mask = None if attn_mask is None else attn_mask.expand(B, H, Nq, Nk)
-    # The sampled rows grouped by batch element and padded to the largest group
-    # (slot = position within its group), so every group runs in one batched matmul.
-    elems, inverse, counts = torch.unique(b, return_inverse=True, return_counts=True)
-    order = torch.argsort(inverse, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.empty_like(b)
-    slot[order] = torch.arange(R, device=dev) - starts[inverse[order]]
-    per_elem = 4 * H * Nk * (D + Dv)
-    step = max(1, CHUNK_BYTES // per_elem)
-    width = int(counts.max())
-    for lo in range(0, len(elems), step):
-        el = elems[lo:lo + step]
-        sel = torch.nonzero((inverse >= lo) & (inverse < lo + step)).flatten()
-        gi, si = inverse[sel] - lo, slot[sel]  # group and slot of each selected row
+    step = max(1, CHUNK_BYTES // (4 * H * Nk * (D + v.shape[-1])))
+    # ~20 tensor ops a call whatever R: on small models the probe's cost is per-op
+    # overhead, so no per-row or per-element indexing here (benchmarks/RESULTS.md).
+    outs = []
+    for lo in range(0, E, step):
+        el, tc = elems[lo:lo + step], t[lo:lo + step]
         n = len(el)
-        tpad = torch.zeros(n, width, dtype=torch.long, device=dev)
-        tpad[gi, si] = t[sel]
-        kb, vb = k[el].float(), v[el].float()  # [n, H, Nk, D]
-        qb = q[el[:, None], :, tpad].float().transpose(1, 2)  # [n, H, width, D]
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [n, H, width, Nk]
-        if causal:
-            hidden = torch.arange(Nk, device=dev) > tpad[..., None]  # [n, width, Nk]
-            s = s.masked_fill(hidden[:, None], -math.inf)
+        kv = (k, v)  # every element in order: no gather
+        if not (n == B and torch.equal(el, torch.arange(B, device=el.device))):
+            kv = (k[el], v[el])
+        # Contiguous FP32 copies [n, H, Nk, D]: k and v are usually strided views of one
+        # QKV projection, which the matmuls would copy again (2.2× the recompute's time
+        # on the benchmark GPT).
+        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
+        qb = q[el[:, None], :, tc].float().transpose(1, 2)  # [n, H, w, D]
+        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [n, H, w, Nk]
+        if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
+            hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
+            s = s + torch.zeros(hidden.shape, device=q.device).masked_fill_(
+                hidden, -math.inf)[:, None]
         if mask is not None:
-            m = mask[el[:, None], :, tpad].transpose(1, 2)  # [n, H, width, Nk]
+            m = mask[el[:, None], :, tc].transpose(1, 2)  # [n, H, w, Nk]
             s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
         mx = s.amax(-1)
-        thr = (mx - eps).unsqueeze(-1)
-        tie = ((s >= thr) & (s != -math.inf)).sum(-1) >= 2  # [n, H, width]
-        # A row with no visible key: zero weights (O = 0, as SDPA's math backend), not NaN.
-        p = torch.softmax(s, dim=-1).masked_fill(torch.isneginf(mx).unsqueeze(-1), 0.0)
-        o = torch.matmul(p, vb)
-        pkb = torch.matmul(p, kb)
-        o32[sel] = o[gi, :, si]
-        pk[sel] = pkb[gi, :, si]
-        tied[sel] = tie[gi, :, si]
-        row_max[sel] = mx[gi, :, si]
-    return o32, pk, tied, row_max
+        # Masked logits (-inf) are below any finite row max minus eps: never tied.
+        tie = (s >= (mx - eps).unsqueeze(-1)).sum(-1) >= 2  # [n, H, w]
+        p = torch.softmax(s, dim=-1)
+        if mask is not None:  # causal alone always leaves key 0 visible
+            # A row with no visible key: zero weights (O = 0, as SDPA's math backend),
+            # not NaN, and no tie.
+            empty = torch.isneginf(mx)
+            tie = tie & ~empty
+            p = p.masked_fill(empty.unsqueeze(-1), 0.0)
+        outs.append([x.transpose(1, 2).reshape(n * w, H, *x.shape[3:])
+                     for x in (torch.matmul(p, vb), torch.matmul(p, kb), tie, mx)])
+    if len(outs) == 1:
+        return tuple(outs[0])
+    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
 
 
 def delta_error(do_rows, o_used, o32) -> torch.Tensor:
-    """c[T] per head, [R, H] float64: Σ_d dO·(O_used - O_fp32), exact in FP64."""
+    """c[T] per head, [..., R, H] float64: Σ_d dO·(O_used - O_fp32), exact in FP64."""
     return (do_rows.double() * (o_used.double() - o32.double())).sum(-1)
 
 
 def sketch(c, z, y) -> torch.Tensor:
-    """G [H, k, k] = Σ_T c[T] z[T] y[T]ᵀ. z is [R, k] (from X) or [R, H, k] (q-space)."""
+    """G [..., H, k, k] = Σ_T c[T] z[T] y[T]ᵀ, over any leading batch dims. z is
+    [..., R, k] (from X) or [..., R, H, k] (q-space); c [..., R, H], y [..., R, H, k]."""
     c, z, y = c.double(), z.double(), y.double()
-    if z.dim() == 2:
-        return torch.einsum("rh,rk,rhl->hkl", c, z, y)
-    return torch.einsum("rh,rhk,rhl->hkl", c, z, y)
+    if z.dim() == c.dim():
+        return torch.einsum("...rh,...rk,...rhl->...hkl", c, z, y)
+    return torch.einsum("...rh,...rhk,...rhl->...hkl", c, z, y)
+
+
+@dataclass(eq=False)
+class Sample:
+    """One probed call's sampled rows, kept until the step's report, where `totals`
+    reduces the calls of every layer together. On small models the probe's cost is
+    per-op overhead, so stacking the calls whose shapes match makes it a few dozen ops a
+    step instead of a few dozen a call (4-layer CPU GPT: benchmarks/RESULTS.md), and on a
+    GPU one copy to the host a step instead of several a call. Memory: O(R·H·D) a call."""
+
+    heads: torch.Tensor  # [H] int64 (CPU): the layer's heads in the watcher's arrays
+    b: torch.Tensor  # [R] batch element of each row (the call's device)
+    t: torch.Tensor  # [R] query position of each row
+    o32: torch.Tensor  # [R, H, Dv] FP32 O of the rows (`recompute`)
+    pk: torch.Tensor  # [R, H, D]
+    tied: torch.Tensor  # [R, H] bool
+    row_max: torch.Tensor  # [R, H]
+    o_used: torch.Tensor  # [R, H, Dv] the O the backward's δ used, in FP32
+    z_in: torch.Tensor  # [R, C] the Q projection's input X, or [R, H, D] q (no X)
+    omega_z: torch.Tensor  # [C, k] (Ω_x) or [D, k] (Ω_q)
+    omega_a: torch.Tensor  # [D, k]
+    share_scale: float | None  # α²·rows/R, weight of ‖e_T‖² (docs/design.md §5); None: no X
+    do: torch.Tensor | None = None  # [R, H, Dv] dO of the rows, set by the gradient hook
+    c: torch.Tensor | None = None  # [R, H] float64 c from the kernel's own O_fp32 (hook)
+    c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row (hook)
+
+
+def totals(samples: list[Sample], n_heads: int, k: int) -> dict[str, torch.Tensor]:
+    """Per-head sums over the samples, [n_heads] float64 on the CPU (G [n_heads, k, k]):
+    tied (tied sampled rows), row_max (max over sampled rows, -inf if none), G, and
+    from the samples with a gradient delta_sum, delta_sq (Σc, Σc²: over every row where
+    the kernel gave c_all, else over the sampled rows) and share_num (Σ ‖e_T‖²)."""
+    f64 = dict(dtype=torch.float64)
+    out = dict(tied=torch.zeros(n_heads, **f64), row_max=torch.full((n_heads,), -math.inf, **f64),
+               G=torch.zeros(n_heads, k, k, **f64), delta_sum=torch.zeros(n_heads, **f64),
+               delta_sq=torch.zeros(n_heads, **f64), share_num=torch.zeros(n_heads, **f64))
+    groups: dict = {}
+    for s in samples:
+        key = (s.o32.shape, s.pk.shape, s.z_in.shape, s.omega_z.shape, s.o32.device,
+               s.share_scale is None, s.do is None, s.c is None)
+        groups.setdefault(key, []).append(s)
+    for members in groups.values():
+        _add_group(members, out)
+    return out
+
+
+def _add_group(ms: list[Sample], out: dict) -> None:
+    """`totals` of samples of one shape: each field stacked over the L samples."""
+    def stack(name):
+        return torch.stack([getattr(m, name) for m in ms])
+
+    idx = torch.cat([m.heads for m in ms])  # [L·H]
+    parts = {"tied": stack("tied").sum(1), "row_max": stack("row_max").amax(1)}  # [L, H]
+    first = ms[0]
+    if first.c is not None:  # c from the kernel: Σc, Σc² over every row came with it
+        c = stack("c")
+        c_all = stack("c_all")
+        parts["delta_sum"], parts["delta_sq"] = c_all[:, 0], c_all[:, 1]
+    elif first.do is not None:
+        c = delta_error(stack("do"), stack("o_used"), stack("o32"))  # [L, R, H]
+        parts["delta_sum"], parts["delta_sq"] = c.sum(1), c.square().sum(1)
+    else:  # no gradient reached these calls (no backward, or not through them)
+        c = None
+    if c is not None:
+        z_in, pk, om_z = stack("z_in").float(), stack("pk"), stack("omega_z")
+        z = torch.matmul(z_in, om_z if z_in.dim() == 3 else om_z[:, None])
+        y = torch.matmul(pk, stack("omega_a")[:, None])  # [L, R, H, k]
+        G = sketch(c, z, y)  # [L, H, k, k]
+        out["G"].index_add_(0, idx, G.reshape(-1, *G.shape[2:]).cpu())
+        if first.share_scale is not None:
+            # ‖e_T‖² = α² c² ‖PK‖² ‖X‖², each sampled row standing for rows/R rows
+            scale = torch.tensor([m.share_scale for m in ms], dtype=torch.float64,
+                                 device=c.device)
+            w = scale[:, None, None] * (z_in.double().square().sum(-1, keepdim=True)
+                                        * pk.double().square().sum(-1))
+            parts["share_num"] = (w * c.square()).sum(1)
+    for name, v in parts.items():
+        v = v.reshape(-1).double().cpu()
+        if name == "row_max":
+            out[name].scatter_reduce_(0, idx, v, reduce="amax")
+        else:
+            out[name].index_add_(0, idx, v)

@@ -63,6 +63,7 @@ class _SiteState:
     omega_x: torch.Tensor  # [d_model, k]
     omega_a: torch.Tensor  # [d_head, k]
     omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
+    heads: torch.Tensor | None = None  # [H] int64: offset + arange(H), for probe.totals
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     warned: set = field(default_factory=set)
@@ -79,42 +80,32 @@ class _SiteState:
     fallback_calls: int = 0
     pending: list = field(default_factory=list)  # applied mode events not yet seen run
     # accumulators of the current monitored step (reset in step())
-    stats: AttentionStats | None = None
-    probe_tied: torch.Tensor | None = None
+    stats: AttentionStats | None = None  # exact counters of routed calls
+    samples: list = field(default_factory=list)  # probe.Sample of each probed call
     probe_rows: int = 0
-    probe_max: torch.Tensor | None = None
-    delta_sum: torch.Tensor | None = None
-    G: torch.Tensor | None = None
-    grad_rows: int = 0
+    grad_rows: int = 0  # sampled rows whose gradient arrived
     o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
     o32_paper: bool = False  # ... made by backend="paper", whose δ is a BF16 rowsum
-    # per head [H] float64: Σc², rows c covered, rows it missed (sampled calls), the
-    # estimate of ‖E‖²_F (see _grad_hook) and ‖dW^Q_h‖²_F of the step's gradient
-    delta_sq: torch.Tensor | None = None
-    delta_rows: torch.Tensor | None = None
-    delta_missed: torch.Tensor | None = None
-    share_num: torch.Tensor | None = None
-    share_rows: int = 0  # sampled rows with X (no X: no share)
+    # rows c covered, rows it missed (sampled calls), sampled rows with X (no X: no share)
+    delta_rows: int = 0
+    delta_missed: int = 0
+    share_rows: int = 0
+    # per head [H] float64: ‖dW^Q_h‖²_F of the step's gradient (see _wq_grad_hook)
     wq_grad_sq: torch.Tensor | None = None
     wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
     sampled: bool = False  # a probed call of this step measured only some of its rows
-    # samples of calls made without grad, for a reentrant checkpoint's recompute to hook
+    # (sample, every_row) of calls made without grad, for a reentrant checkpoint's
+    # recompute to hook
     no_grad_samples: list = field(default_factory=list)
 
-    def reset(self, k: int) -> None:
+    def reset(self) -> None:
         H = self.site.num_heads
         self.stats = AttentionStats.zeros(H)
-        self.probe_tied = torch.zeros(H, dtype=torch.int64)
-        self.probe_rows = 0
-        self.probe_max = torch.full((H,), -math.inf)
-        self.delta_sum = torch.zeros(H, dtype=torch.float64)
-        self.G = torch.zeros(H, k, k, dtype=torch.float64)
-        self.grad_rows = 0
+        self.samples = []
+        self.probe_rows = self.grad_rows = 0
         self.o32 = None
-        self.delta_sq, self.delta_rows, self.delta_missed, self.share_num = (
-            torch.zeros(H, dtype=torch.float64) for _ in range(4))
-        self.share_rows = 0
+        self.delta_rows = self.delta_missed = self.share_rows = 0
         self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
         self.sampled = False
         self.no_grad_samples = []
@@ -149,8 +140,9 @@ class Watcher:
                 omega_x=torch.randn(site.d_model, k, generator=g) / math.sqrt(k),
                 omega_a=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
                 omega_q=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
+                heads=torch.arange(offset, offset + site.num_heads),
             )
-            st.reset(k)
+            st.reset()
             self._states.append(st)
             offset += site.num_heads
         self._heads = [(st.site.name, h) for st in self._states
@@ -255,7 +247,7 @@ class Watcher:
         except Exception as e:  # never take the run down
             self._error("step", e)
             for st in self._states:
-                st.reset(self.config.sketch_dim)
+                st.reset()
             return None
         report.monitor_seconds = self._monitor_seconds + time.perf_counter() - t0
         self._monitor_seconds = 0.0
@@ -308,7 +300,7 @@ class Watcher:
         for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
             self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
-            st.reset(self.config.sketch_dim)
+            st.reset()
         self._gen.set_state(sd["rng"])
         self._signals.load_state_dict(sd["signals"])
         self._policy.load_state_dict(sd["policy"])
@@ -508,48 +500,49 @@ class Watcher:
                 rep = H // k.shape[1]
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
-            b, t = probe.sample_rows(self._gen, B, Nq, n_rows)
+            elems, tq = (r.to(q.device) for r in probe.sample_rows(self._gen, B, Nq, n_rows))
+            b, t = probe.flat(elems, tq)
             st.sampled = st.sampled or len(b) < B * Nq  # G from some rows only
-            b, t = b.to(q.device), t.to(q.device)
-            o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=causal,
+            o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
-            st.probe_tied += tied.sum(0).cpu()
             st.probe_rows += len(b)
-            st.probe_max = torch.maximum(st.probe_max, row_max.amax(0).cpu())
             o_used = out[b, :, t].float()
-            fp32_heads = (st.modes == int(Mode.FP32_O)).to(q.device)
-            if routed and fp32_heads.any():
-                # δ of these heads came from the kernel's FP32 O; its residual error is at
-                # FP32 rounding, far below what the probe resolves: count it as 0.
-                o_used[:, fp32_heads] = o32[:, fp32_heads]
+            if routed:
+                fp32_heads = st.modes == int(Mode.FP32_O)
+                if bool(fp32_heads.any()):
+                    # δ of these heads came from the kernel's FP32 O; its residual error
+                    # is at FP32 rounding, far below what the probe resolves: count 0.
+                    fp32_heads = fp32_heads.to(q.device)
+                    o_used[:, fp32_heads] = o32[:, fp32_heads]
             every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads, BF16 δ)
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
-                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads, st.o32_paper)
-            # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is rank 1,
-            # ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
-            share_w = None
+                every_row = (out, o32_all.permute(1, 0, 2, 3),
+                             (st.modes == int(Mode.FP32_O)).to(q.device), st.o32_paper)
+            # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
+            # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
             x = st.x
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
-                xr = x.detach()[b, t].float()
-                z = xr @ st.omega_x.to(q.device)  # [R, k]
-                share_w = (scale ** 2 * B * Nq / len(b)) * (
-                    xr.double().square().sum(-1, keepdim=True) * pk.double().square().sum(-1))
+                z_in, omega_z = x.detach()[b, t].float(), st.omega_x  # [R, C]
+                share_scale = scale ** 2 * B * Nq / len(b)
             else:
                 if x is not None:
                     self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
                                     f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
                                     f"using q-space sketch terms")
-                z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
-            y = pk @ st.omega_a.to(q.device)  # [R, H, k]
-        sample = (b, t, o_used, o32, z, y, every_row, share_w, B * Nq)
+                z_in, omega_z, share_scale = q[b, :, t].float(), st.omega_q, None  # [R, H, D]
+        sample = probe.Sample(heads=st.heads, b=b, t=t, o32=o32, pk=pk, tied=tied,
+                              row_max=row_max, o_used=o_used, z_in=z_in,
+                              omega_z=omega_z.to(q.device), omega_a=st.omega_a.to(q.device),
+                              share_scale=share_scale)
+        st.samples.append(sample)
         if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, *sample))
+            out_graph.register_hook(self._grad_hook(st, sample, every_row, B * Nq))
         else:  # a reentrant checkpoint's first forward: its recompute takes the gradient
-            st.no_grad_samples.append(sample)
+            st.no_grad_samples.append((sample, every_row, B * Nq))
 
     def _hook_recompute(self, st, out):
         """Activation checkpointing's recompute of a call already counted: count nothing
@@ -559,24 +552,31 @@ class Watcher:
         in reverse call order, hence the last sample first."""
         if not (out.requires_grad and st.no_grad_samples):
             return
-        sample = st.no_grad_samples.pop()
-        b, t, o_used = sample[:3]
+        sample, every_row, n_rows = st.no_grad_samples.pop()
+        b, t, o_used = sample.b, sample.t, sample.o_used
         if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
                                   and o_used.shape[1:] == (out.shape[1], out.shape[3])):
             self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
             return
-        out.register_hook(self._grad_hook(st, *sample))
+        out.register_hook(self._grad_hook(st, sample, every_row, n_rows))
 
-    def _grad_hook(self, st, b, t, o_used, o32, z, y, every_row, share_w, n_rows):
+    def _grad_hook(self, st, sample, every_row, n_rows):
+        """dO of the sampled rows (c and the sketch follow in probe.totals at the report),
+        or, where flashwatch's kernel gave O_fp32 (`every_row`), c on every row now,
+        while dO is at hand."""
         def hook(grad):
             if self._removed:
                 return None
             t0 = time.perf_counter()
             try:
                 with torch.no_grad(), no_autocast(grad.device):
-                    c_all = None  # [B, H, Nq]: c on every row, from the kernel's own O_fp32
+                    s = sample
+                    if s.do is not None or s.c is not None:  # a second backward (retain_graph)
+                        s = dataclasses.replace(s, do=None, c=None, c_all=None)
+                        st.samples.append(s)
+                    b, t = s.b, s.t
                     if every_row is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
                         o_all, o32_all, fp32_heads, bf16_delta = every_row
                         if bf16_delta:  # the paper backward's δ: product and sum in BF16
@@ -586,22 +586,19 @@ class Watcher:
                             c_all = (grad.float() * (o_all.float() - o32_all)).sum(
                                 -1, dtype=torch.float64)
                         c_all[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
-                    # The sampled rows' c: the kernel's own where it has O_fp32 (exactly
-                    # what FP32_O removes), else against the probe's FP32 recomputation,
-                    # which also counts the rounding of P̄ in O (reads high: see README).
-                    c = (c_all[b, :, t] if c_all is not None
-                         else probe.delta_error(grad[b, :, t], o_used, o32))  # [R, H]
-                    st.G += probe.sketch(c, z, y).cpu()
+                        # The sampled rows' c is the kernel's own: exactly what FP32_O
+                        # removes. Elsewhere it is against the probe's FP32 recomputation,
+                        # which also counts the rounding of P̄ in O (reads high: README).
+                        s.c = c_all[b, :, t]  # [R, H]
+                        s.c_all = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
+                        st.delta_rows += c_all.shape[0] * c_all.shape[2]
+                    else:
+                        s.do = grad[b, :, t]
+                        st.delta_rows += len(b)
+                        st.delta_missed += n_rows - len(b)
                     st.grad_rows += len(b)
-                    if share_w is not None:
-                        st.share_num += (share_w * c.double().square()).sum(0).cpu()
+                    if s.share_scale is not None:
                         st.share_rows += len(b)
-                    if c_all is not None:
-                        c = c_all.transpose(0, 1).reshape(c_all.shape[1], -1).T  # [B·Nq, H]
-                    st.delta_sum += c.sum(0).cpu()
-                    st.delta_sq += c.square().sum(0).cpu()
-                    st.delta_rows += c.shape[0]
-                    st.delta_missed += n_rows - c.shape[0]
             except Exception as e:
                 self._error(f"gradient probe {st.site.name}", e)
             self._monitor_seconds += time.perf_counter() - t0
@@ -613,15 +610,17 @@ class Watcher:
     def _build_report(self, step: int) -> StepReport:
         cfg = self.config
         n, k = len(self._heads), cfg.sketch_dim
+        # every probed call of every layer reduced at once (flashwatch/probe.py)
+        tot = probe.totals([smp for st in self._states for smp in st.samples], n, k)
+        exact = torch.zeros(n, dtype=torch.bool)  # routed: exact counts over all rows
         tied = torch.zeros(n, dtype=torch.float64)
         rows = torch.zeros(n, dtype=torch.float64)
         max_logit = torch.full((n,), -math.inf, dtype=torch.float64)
-        delta_sum = torch.zeros(n, dtype=torch.float64)
-        G = torch.zeros(n, k, k, dtype=torch.float64)
         grad_rows = torch.zeros(n, dtype=torch.float64)
-        # summed over ranks like delta_sum: Σc², rows with c, rows without, ‖E‖² estimate,
-        # rows behind it, ‖dW^Q_h‖², guarded rows
-        extra = torch.zeros(7, n, dtype=torch.float64)
+        guarded = torch.zeros(n, dtype=torch.float64)
+        # rows with c, rows without, rows behind the ‖E‖² estimate, ‖dW^Q_h‖²
+        counts = torch.zeros(3, n, dtype=torch.float64)
+        wq_grad_sq = torch.zeros(n, dtype=torch.float64)
         sigma = torch.full((n,), math.nan, dtype=torch.float64)
         sampled = torch.zeros(n, dtype=torch.bool)
         averaged = torch.zeros(n, dtype=torch.bool)  # ‖dW^Q‖² of the averaged gradient
@@ -638,23 +637,28 @@ class Watcher:
                 st.unmitigable = None
             st.module_calls = st.routed_calls = st.fallback_calls = 0
             sl = slice(st.offset, st.offset + st.site.num_heads)
-            if int(st.stats.rows.sum()) > 0:  # routed: exact counts over all rows
+            if int(st.stats.rows.sum()) > 0:
+                exact[sl] = True
                 tied[sl] = st.stats.tied_rows.double()
                 rows[sl] = st.stats.rows.double()
             else:
-                tied[sl] = st.probe_tied.double()
                 rows[sl] = float(st.probe_rows)
-            max_logit[sl] = torch.maximum(st.probe_max, st.stats.max_logit).double()
-            delta_sum[sl] = st.delta_sum
-            G[sl] = st.G
+            max_logit[sl] = st.stats.max_logit.double()
+            guarded[sl] = st.stats.guarded_rows.double()
             grad_rows[sl] = float(st.grad_rows)
-            extra[:, sl] = torch.stack([
-                st.delta_sq, st.delta_rows, st.delta_missed, st.share_num,
-                torch.full_like(st.share_num, st.share_rows), st.wq_grad_sq,
-                st.stats.guarded_rows.double()])
+            counts[:, sl] = torch.tensor([[st.delta_rows], [st.delta_missed], [st.share_rows]],
+                                         dtype=torch.float64)
+            wq_grad_sq[sl] = st.wq_grad_sq
             sampled[sl] = st.sampled
             averaged[sl] = st.wq_grad_averaged
-            st.reset(k)
+            st.reset()
+        tied = torch.where(exact, tied, tot["tied"])
+        max_logit = torch.maximum(max_logit, tot["row_max"])
+        delta_sum, G = tot["delta_sum"], tot["G"]
+        # summed over ranks like delta_sum: Σc², rows with c, rows without, ‖E‖² estimate,
+        # rows behind it, ‖dW^Q_h‖², guarded rows
+        extra = torch.stack([tot["delta_sq"], counts[0], counts[1], tot["share_num"],
+                             counts[2], wq_grad_sq, guarded])
         # plain or sharded (DTensor) W^Q alike, same-shape plain ones batched over layers
         # (flashwatch/distributed.py)
         with torch.no_grad():

@@ -17,9 +17,10 @@ def _rows(q, b, t):
 
 @pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "float"])
-def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, monkeypatch):
-    """chunk_bytes=1: one batch element per chunk (the path large models take), with
-    groups of unequal size padded to the largest."""
+@pytest.mark.parametrize("n_rows", [20, 2])
+def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, n_rows, monkeypatch):
+    """chunk_bytes=1: one batch element per chunk (the path large models take).
+    n_rows=2 < B: a random subset of the batch elements, gathered."""
     if chunk_bytes is not None:
         monkeypatch.setattr(probe, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
@@ -32,10 +33,12 @@ def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, monkeypatch):
         mask[..., 0] = True  # every row keeps a key
     elif mask_kind == "float":
         mask = torch.randn(1, H, N, N, generator=g)
-    b, t = probe.sample_rows(g, B, N, 20)
-    assert len(set(torch.bincount(b).tolist())) > 1  # groups of unequal size
-    o32, pk, tied, row_max = probe.recompute(q, k, v, b, t, causal=mask_kind == "causal",
-                                             scale=scale, attn_mask=mask, eps=1e-3)
+    elems, tq = probe.sample_rows(g, B, N, n_rows)
+    b, t = probe.flat(elems, tq)
+    assert len(b) == (21 if n_rows == 20 else 2)  # 3 elements × 7 rows; 2 elements × 1
+    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq,
+                                             causal=mask_kind == "causal", scale=scale,
+                                             attn_mask=mask, eps=1e-3)
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     if mask_kind == "causal":
         s = s.masked_fill(causal_mask(N, N), -math.inf)
@@ -48,16 +51,18 @@ def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, monkeypatch):
     assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
     assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
                           atol=1e-5)
-    assert tied.shape == (20, H) and tied.dtype == torch.bool
+    assert tied.shape == (len(b), H) and tied.dtype == torch.bool
+    want_tied = (s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2
+    assert torch.equal(tied, _rows(want_tied, b, t))
 
 
 def test_recompute_ignores_the_users_autocast():
     g = torch.Generator().manual_seed(4)
     q, k, v = (3 * torch.randn(2, 2, 30, 16, generator=g).bfloat16() for _ in range(3))
-    b, t = probe.sample_rows(g, 2, 30, 12)
-    want = probe.recompute(q, k, v, b, t, causal=True, scale=0.25, eps=1e-3)
+    elems, tq = probe.sample_rows(g, 2, 30, 12)
+    want = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = probe.recompute(q, k, v, b, t, causal=True, scale=0.25, eps=1e-3)
+        got = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
     for a, w in zip(got, want, strict=True):
         assert a.dtype == w.dtype and torch.equal(a, w)
 
@@ -66,9 +71,8 @@ def test_a_row_with_no_visible_key_gives_zero_not_nan():
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     mask[..., 3, :] = False  # left padding: row 3 sees nothing
-    b, t = torch.zeros(6, dtype=torch.long), torch.arange(6)
-    o32, pk, tied, _ = probe.recompute(q, k, v, b, t, causal=False, scale=1.0,
-                                       attn_mask=mask, eps=1e-3)
+    o32, pk, tied, _ = probe.recompute(q, k, v, torch.tensor([0]), torch.arange(6)[None],
+                                       causal=False, scale=1.0, attn_mask=mask, eps=1e-3)
     assert torch.isfinite(o32).all() and torch.isfinite(pk).all()
     assert (o32[3] == 0).all() and not tied[3].any()
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
@@ -82,20 +86,44 @@ def test_recompute_counts_planted_ties():
     k = torch.zeros(1, 1, 6, 8)
     k[0, 0, :, 0] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0 - 2e-3, 0.0])
     v = torch.randn(1, 1, 6, 8)
-    b, t = torch.zeros(4, dtype=torch.long), torch.arange(4)
-    _, _, tied, _ = probe.recompute(q, k, v, b, t, causal=True, scale=1.0, eps=1e-3)
+    _, _, tied, _ = probe.recompute(q, k, v, torch.tensor([0]), torch.arange(4)[None],
+                                    causal=True, scale=1.0, eps=1e-3)
     # row 0 sees [1]; row 1 sees [1, 3]; rows 2 and 3 see two 3.0s
     assert tied[:, 0].tolist() == [False, False, True, True]
 
 
-def test_sample_rows_are_distinct_seeded_and_bounded():
-    b, t = probe.sample_rows(torch.Generator().manual_seed(1), 3, 10, 25)
+@pytest.mark.parametrize("batch, n_q, n_rows, n_el, width", [
+    (3, 10, 25, 3, 9),  # 27 rows: 3 elements × ⌈25/3⌉
+    (8, 128, 64, 8, 8),  # the default: exactly 64
+    (5, 10, 4, 4, 1),  # fewer rows than elements: 4 elements drawn, 1 row each
+    (4, 10, 5, 3, 2),  # ⌈5/4⌉ = 2 rows in ⌈5/2⌉ = 3 elements
+    (2, 3, 100, 2, 3),  # never more rows than exist: every row
+])
+def test_sample_rows_are_distinct_seeded_and_bounded(batch, n_q, n_rows, n_el, width):
+    elems, tq = probe.sample_rows(torch.Generator().manual_seed(1), batch, n_q, n_rows)
+    assert tq.shape == (n_el, width) and elems.shape == (n_el,)
+    b, t = probe.flat(elems, tq)
     pairs = set(zip(b.tolist(), t.tolist(), strict=True))
-    assert len(pairs) == 25 and all(0 <= x < 3 and 0 <= y < 10 for x, y in pairs)
-    b2, t2 = probe.sample_rows(torch.Generator().manual_seed(1), 3, 10, 25)
-    assert torch.equal(b, b2) and torch.equal(t, t2)
-    b3, _ = probe.sample_rows(torch.Generator().manual_seed(1), 2, 3, 100)
-    assert len(b3) == 6  # never more rows than exist
+    assert len(pairs) == n_el * width  # distinct
+    assert all(0 <= x < batch and 0 <= y < n_q for x, y in pairs)
+    assert len(set(elems.tolist())) == n_el
+    e2, t2 = probe.sample_rows(torch.Generator().manual_seed(1), batch, n_q, n_rows)
+    assert torch.equal(elems, e2) and torch.equal(tq, t2)
+
+
+def test_sample_rows_give_every_row_the_same_chance():
+    """Sums over the sample scaled by rows / sampled rows are unbiased only if every row
+    is equally likely to be drawn: 4,000 draws of 5 rows of a 4 × 6 batch (⌈5/4⌉ = 2
+    rows in 3 elements: 6 of 24 rows, p = 1/4)."""
+    g = torch.Generator().manual_seed(2)
+    hits = torch.zeros(4, 6)
+    n = 4000
+    for _ in range(n):
+        b, t = probe.flat(*probe.sample_rows(g, 4, 6, 5))
+        hits[b, t] += 1
+    p = hits / n
+    # binomial standard error √(¼·¾/4000) = 0.0068: 5 σ
+    assert (p - 0.25).abs().max() < 0.035, p
 
 
 def test_delta_error_equals_an_fp64_computation():
@@ -106,8 +134,9 @@ def test_delta_error_equals_an_fp64_computation():
     o_lp = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     o64 = math_attention(q, k, v, causal=True, scale=scale, dtype=torch.float64)
     c64 = (do.double() * o_lp.double()).sum(-1) - (do.double() * o64).sum(-1)
-    b, t = probe.sample_rows(g, B, N, 40)
-    o32, _, _, _ = probe.recompute(q, k, v, b, t, causal=True, scale=scale, eps=1e-3)
+    elems, tq = probe.sample_rows(g, B, N, 40)
+    b, t = probe.flat(elems, tq)
+    o32, _, _, _ = probe.recompute(q, k, v, elems, tq, causal=True, scale=scale, eps=1e-3)
     c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     want = _rows(c64.unsqueeze(-1), b, t)[..., 0]
     assert c.dtype == torch.float64
@@ -137,8 +166,9 @@ def test_sketch_is_the_projected_wq_gradient_error():
     om_x = torch.randn(C, kdim, generator=g).double()
     om_a = torch.randn(D, kdim, generator=g).double()
     want = torch.einsum("dk,hdc,cl->hlk", om_a, dW, om_x)  # (Ω_aᵀ ΔW_h Ω_x)ᵀ
-    b, t = probe.sample_rows(g, B, N, B * N)  # every row
-    o32, pk, _, _ = probe.recompute(q, k, v, b, t, causal=True, scale=alpha, eps=1e-3)
+    elems, tq = probe.sample_rows(g, B, N, B * N)  # every row
+    b, t = probe.flat(elems, tq)
+    o32, pk, _, _ = probe.recompute(q, k, v, elems, tq, causal=True, scale=alpha, eps=1e-3)
     c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     z = X[b, t].double() @ om_x
     y = pk.double() @ om_a

@@ -1,4 +1,5 @@
-"""flashwatch/spectral.py: batched warm-started power iteration vs matrix_norm(ord=2)."""
+"""flashwatch/spectral.py: the Gram-matrix norm and the batched warm-started power iteration
+vs matrix_norm(ord=2)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flashwatch.spectral import power_iteration
+from flashwatch.spectral import gram_norm, power_iteration
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,7 +95,65 @@ def test_deterministic():
     assert torch.equal(a, b) and torch.equal(va, vb)
 
 
+# ------------------------------------------------------------------------ gram_norm
+
+
+@pytest.mark.parametrize("shape", [(6, 64, 256), (4, 256, 64), (3, 8, 8), (2, 1, 5),
+                                   (12, 128, 768)])
+def test_gram_norm_of_gaussian_matrices_matches_matrix_norm(shape):
+    # No spectral gap: the case a few iterations of anything get wrong. a > b (the
+    # second shape) takes the Gram of the other side.
+    W = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    sigma, v = gram_norm(W)
+    assert sigma.shape == (shape[0],) and v.shape == (shape[0], shape[2])
+    assert _rel(sigma, _exact(W)) < 1e-5
+    assert torch.allclose(v.norm(dim=1), torch.ones(shape[0]), atol=1e-5)
+    # v is the right singular vector: ‖W v‖ = σ
+    assert _rel((W.double() @ v.double()[..., None])[..., 0].norm(dim=1), _exact(W)) < 1e-5
+
+
+def test_gram_norm_with_crowded_top_singular_values():
+    """128 singular values within 1e-3 of each other and 40 tied at the top: the worst
+    case for the power of the Gram matrix (module docstring's bound: 3e-5)."""
+    g = torch.Generator().manual_seed(2)
+    U = torch.linalg.qr(torch.randn(8, 128, 128, generator=g, dtype=torch.float64))[0]
+    V = torch.linalg.qr(torch.randn(8, 512, 128, generator=g, dtype=torch.float64))[0]
+    S = 1 - 1e-3 * torch.rand(8, 128, generator=g, dtype=torch.float64)
+    S[:, :40] = 1.0
+    W = U @ torch.diag_embed(S) @ V.mT  # [8, 128, 512]
+    sigma, _ = gram_norm(W.float())
+    assert _rel(sigma, torch.ones(8, dtype=torch.float64)) < 3e-5
+    s64, _ = gram_norm(W)
+    # the algorithm's own error, not rounding: the same bound in float64
+    assert s64.dtype == torch.float64 and _rel(s64, torch.ones(8, dtype=torch.float64)) < 3e-5
+
+
+def test_gram_norm_of_trained_looking_low_precision_and_float64_weights():
+    W = _low_rank_plus_noise(12, 64, 768)
+    assert _rel(gram_norm(W)[0], _exact(W)) < 1e-5
+    s16, v16 = gram_norm(W.bfloat16())
+    assert s16.dtype == torch.float32 and v16.dtype == torch.float32
+    assert _rel(s16, _exact(W.bfloat16())) < 1e-5
+    s64, _ = gram_norm(W.double())
+    assert s64.dtype == torch.float64 and _rel(s64, _exact(W)) < 1e-10
+
+
+def test_gram_norm_of_zero_tiny_and_non_finite_heads():
+    W = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(5))
+    W[1] = 0.0
+    W[2, 3, 4] = float("nan")
+    W[3] *= 1e-12  # a Gram of ≈ 1e-22: small, but above the trace's clamp (1e-30)
+    sigma, v = gram_norm(W)
+    assert sigma[1] == 0 and torch.equal(v[1], torch.zeros(32))
+    assert math.isnan(sigma[2])
+    assert _rel(sigma[[0, 3]], _exact(W[[0, 3]])) < 1e-5
+
+
 @pytest.mark.parametrize("call, exc, words", [
+    (lambda: gram_norm(torch.randn(4, 5)), ValueError, ["W", "[H, a, b]"]),
+    (lambda: gram_norm([[1.0]]), TypeError, ["W", "torch.Tensor"]),
+    (lambda: gram_norm(torch.ones(2, 3, 4, dtype=torch.int64)), TypeError, ["W", "float"]),
+
     (lambda: power_iteration(torch.randn(4, 5)), ValueError, ["W", "[H, a, b]"]),
     (lambda: power_iteration([[1.0]]), TypeError, ["W", "torch.Tensor"]),
     (lambda: power_iteration(torch.ones(2, 3, 4, dtype=torch.int64)), TypeError, ["W", "float"]),
