@@ -91,9 +91,11 @@ class _Interceptor(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        st = self.attachment.current
-        if func is F.scaled_dot_product_attention and st is not None:
-            return self.attachment.watcher._on_sdpa(st, func, args, kwargs)
+        # Every op of the watched module's forward passes here: the cheap test first.
+        if func is F.scaled_dot_product_attention:
+            st = self.attachment.current
+            if st is not None:
+                return self.attachment.watcher._on_sdpa(st, func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -7,11 +7,12 @@ One monitored optimizer step, end to end (docs/design.md §2):
             calls reach `_on_sdpa` / the interceptor here. A layer with a non-STANDARD
             head is routed to flashwatch's kernel with its modes. On monitored steps the
             probe samples rows, recomputes them in FP32 and hooks the output's gradient.
-  backward  the gradient hook computes c[T] and the sketch G for the sampled rows; when
-            flashwatch's own kernel ran, also c[T] on every row from the kernel's FP32 O
-            (Σc, Σc² then cover all rows); a post-accumulate-grad hook on the Q
-            projection's weight keeps ‖dW^Q_h‖² of the step for delta_error_share.
-  step()    once per optimizer step: W^Q spectral norms, one SUM and one MAX all_reduce
+  backward  the gradient hook keeps dO of the sampled rows; when flashwatch's own
+            kernel ran, it computes c[T] on every row from the kernel's FP32 O (Σc, Σc²
+            then cover all rows); a post-accumulate-grad hook on the Q projection's
+            weight keeps ‖dW^Q_h‖² of the step for delta_error_share.
+  step()    once per optimizer step: c[T] and the sketch G of every layer's sampled rows
+            at once (probe.totals), W^Q spectral norms, one SUM and one MAX all_reduce
             across ranks (constant size in the world size), signals, policy, new
             modes from the next step, a StepReport to sinks.
 Failures inside flashwatch are logged once, counted and never raised into training.
@@ -612,19 +613,9 @@ class Watcher:
         n, k = len(self._heads), cfg.sketch_dim
         # every probed call of every layer reduced at once (flashwatch/probe.py)
         tot = probe.totals([smp for st in self._states for smp in st.samples], n, k)
-        exact = torch.zeros(n, dtype=torch.bool)  # routed: exact counts over all rows
-        tied = torch.zeros(n, dtype=torch.float64)
-        rows = torch.zeros(n, dtype=torch.float64)
-        max_logit = torch.full((n,), -math.inf, dtype=torch.float64)
-        grad_rows = torch.zeros(n, dtype=torch.float64)
-        guarded = torch.zeros(n, dtype=torch.float64)
-        # rows with c, rows without, rows behind the ‖E‖² estimate, ‖dW^Q_h‖²
-        counts = torch.zeros(3, n, dtype=torch.float64)
-        wq_grad_sq = torch.zeros(n, dtype=torch.float64)
-        sigma = torch.full((n,), math.nan, dtype=torch.float64)
-        sampled = torch.zeros(n, dtype=torch.bool)
-        averaged = torch.zeros(n, dtype=torch.bool)  # ‖dW^Q‖² of the averaged gradient
         not_applied, withdrawn = {}, []
+        per_head = []  # per layer, repeated over its heads: exact?, probe rows, grad rows,
+        # rows with c, rows without, rows behind the ‖E‖² estimate, sampled?, averaged?
         for st in self._states:
             reason = self._not_applied(st)
             if reason is not None:  # say so, never claim the modes applied
@@ -636,29 +627,28 @@ class Watcher:
                 st.pending.clear()  # seen run: the events stand
                 st.unmitigable = None
             st.module_calls = st.routed_calls = st.fallback_calls = 0
-            sl = slice(st.offset, st.offset + st.site.num_heads)
-            if int(st.stats.rows.sum()) > 0:
-                exact[sl] = True
-                tied[sl] = st.stats.tied_rows.double()
-                rows[sl] = st.stats.rows.double()
-            else:
-                rows[sl] = float(st.probe_rows)
-            max_logit[sl] = st.stats.max_logit.double()
-            guarded[sl] = st.stats.guarded_rows.double()
-            grad_rows[sl] = float(st.grad_rows)
-            counts[:, sl] = torch.tensor([[st.delta_rows], [st.delta_missed], [st.share_rows]],
-                                         dtype=torch.float64)
-            wq_grad_sq[sl] = st.wq_grad_sq
-            sampled[sl] = st.sampled
-            averaged[sl] = st.wq_grad_averaged
+            per_head += [(bool(st.stats.rows.any()), st.probe_rows, st.grad_rows,
+                          st.delta_rows, st.delta_missed, st.share_rows, st.sampled,
+                          st.wq_grad_averaged)] * st.site.num_heads
+        # one op per field over all layers, not one per layer and field
+        stats = [torch.cat([getattr(st.stats, f) for st in self._states]).double()
+                 for f in ("tied_rows", "rows", "max_logit", "guarded_rows")]
+        wq_grad_sq = torch.cat([st.wq_grad_sq for st in self._states])
+        for st in self._states:
             st.reset()
-        tied = torch.where(exact, tied, tot["tied"])
-        max_logit = torch.maximum(max_logit, tot["row_max"])
+        cols = torch.tensor(per_head, dtype=torch.float64).T
+        exact, sampled, averaged = cols[0] > 0, cols[6] > 0, cols[7] > 0
+        # routed: the kernel's exact counts over all rows; else the probe's sample
+        tied = torch.where(exact, stats[0], tot["tied"])
+        rows = torch.where(exact, stats[1], cols[1])
+        max_logit = torch.maximum(stats[2], tot["row_max"])
+        grad_rows = cols[2]
+        sigma = torch.full((n,), math.nan, dtype=torch.float64)
         delta_sum, G = tot["delta_sum"], tot["G"]
         # summed over ranks like delta_sum: Σc², rows with c, rows without, ‖E‖² estimate,
         # rows behind it, ‖dW^Q_h‖², guarded rows
-        extra = torch.stack([tot["delta_sq"], counts[0], counts[1], tot["share_num"],
-                             counts[2], wq_grad_sq, guarded])
+        extra = torch.stack([tot["delta_sq"], cols[3], cols[4], tot["share_num"], cols[5],
+                             wq_grad_sq, stats[3]])
         # plain or sharded (DTensor) W^Q alike, same-shape plain ones batched over layers
         # (flashwatch/distributed.py)
         with torch.no_grad():
