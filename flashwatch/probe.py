@@ -48,8 +48,10 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
     """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
     element elems[j] (`sample_rows`; `flat` gives its (b, t)).
 
-    q, k, v: [B, H, N, D] (k and v already repeated to H heads). attn_mask as SDPA's:
-    bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
+    q [B, H, N, D]; k, v [B, H_kv, N, D] with H_kv dividing H (grouped-query attention:
+    query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa; never repeated
+    here, so K and V are upcast once per KV head, not per query head). attn_mask as
+    SDPA's: bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
     Returns o32 [E·w, H, D], pk [E·w, H, D], tied [E·w, H] bool, row_max [E·w, H] (fp32).
     """
     with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
@@ -64,10 +66,13 @@ CHUNK_BYTES = 32 << 20
 
 def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
     B, H, Nq, D = q.shape
-    Nk = k.shape[2]
+    G, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if H % G or v.shape[1] != G:
+        raise ValueError(f"k and v must have the same number of heads, dividing q's {H}; "
+                         f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
     E, w = t.shape
     mask = None if attn_mask is None else attn_mask.expand(B, H, Nq, Nk)
-    step = max(1, CHUNK_BYTES // (4 * H * Nk * (D + v.shape[-1])))
+    step = max(1, CHUNK_BYTES // (4 * G * Nk * (D + Dv)))
     # ~20 tensor ops a call whatever R: on small models the probe's cost is per-op
     # overhead, so no per-row or per-element indexing here (benchmarks/RESULTS.md).
     outs = []
@@ -77,12 +82,14 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
         kv = (k, v)  # every element in order: no gather
         if not (n == B and torch.equal(el, torch.arange(B, device=el.device))):
             kv = (k[el], v[el])
-        # Contiguous FP32 copies [n, H, Nk, D]: k and v are usually strided views of one
+        # Contiguous FP32 copies [n, G, Nk, D]: k and v are usually strided views of one
         # QKV projection, which the matmuls would copy again (2.2× the recompute's time
         # on the benchmark GPT).
         kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
         qb = q[el[:, None], :, tc].float().transpose(1, 2)  # [n, H, w, D]
-        s = torch.matmul(qb, kb.transpose(-1, -2)) * scale  # [n, H, w, Nk]
+        # The H/G query heads of each KV head as one [H/G·w, D] block against it.
+        s = torch.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(
+            n, H, w, Nk) * scale  # [n, H, w, Nk]
         if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
             hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
             s = s + torch.zeros(hidden.shape, device=q.device).masked_fill_(
@@ -100,8 +107,10 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
             empty = torch.isneginf(mx)
             tie = tie & ~empty
             p = p.masked_fill(empty.unsqueeze(-1), 0.0)
+        pg = p.view(n, G, -1, Nk)
+        o, pk = (torch.matmul(pg, x).view(n, H, w, -1) for x in (vb, kb))
         outs.append([x.transpose(1, 2).reshape(n * w, H, *x.shape[3:])
-                     for x in (torch.matmul(p, vb), torch.matmul(p, kb), tie, mx)])
+                     for x in (o, pk, tie, mx)])
     if len(outs) == 1:
         return tuple(outs[0])
     return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))

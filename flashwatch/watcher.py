@@ -497,9 +497,6 @@ class Watcher:
         out_graph = out  # the gradient hook goes on the tensor autograd sees
         with torch.no_grad(), no_autocast(q.device):
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
-            if k.shape[1] != H:
-                rep = H // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
             elems, tq = (r.to(q.device) for r in probe.sample_rows(self._gen, B, Nq, n_rows))
             b, t = probe.flat(elems, tq)

@@ -56,6 +56,30 @@ def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, n_rows, monkeypatch
     assert torch.equal(tied, _rows(want_tied, b, t))
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_recompute_of_grouped_query_attention_matches_repeated_kv(kv_heads):
+    """k, v with fewer heads (GQA, MQA): query head h reads KV head h // (H / H_kv),
+    as SDPA's enable_gqa, without repeating K and V."""
+    g = torch.Generator().manual_seed(5)
+    B, H, N, D = 2, 4, 29, 8
+    q = torch.randn(B, H, N, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, kv_heads, N, D, generator=g).bfloat16() for _ in range(2))
+    elems, tq = probe.sample_rows(g, B, N, 10)
+    b, t = probe.flat(elems, tq)
+    o32, pk, _, row_max = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.3,
+                                          eps=1e-3)
+    kr, vr = (x.double().repeat_interleave(H // kv_heads, dim=1) for x in (k, v))
+    s = ((q.double() @ kr.transpose(-1, -2)) * 0.3).masked_fill(causal_mask(N, N), -math.inf)
+    p = torch.softmax(s, -1)
+    assert torch.allclose(o32.double(), _rows(p @ vr, b, t), atol=1e-5)
+    assert torch.allclose(pk.double(), _rows(p @ kr, b, t), atol=1e-5)
+    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="dividing"):
+        probe.recompute(q, k[:, :1].expand(B, 3, N, D), v, elems, tq, causal=True,
+                        scale=0.3, eps=1e-3)
+
+
 def test_recompute_ignores_the_users_autocast():
     g = torch.Generator().manual_seed(4)
     q, k, v = (3 * torch.randn(2, 2, 30, 16, generator=g).bfloat16() for _ in range(3))
