@@ -23,7 +23,10 @@ class WatchConfig:
                       (benchmarks/RESULTS.md, "At scale"); raise it for more margin.
       rows_per_head   query rows sampled per layer and monitored step for the δ probe;
                       each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
-                      tiny next to the layer's N²·D·H. Default 64. "all": recompute
+                      tiny next to the layer's N²·D·H. Default 64. Rounded up so that
+                      every batch element drawn gives the same number of rows (⌈R/B⌉;
+                      exactly R when B divides it), which lets them run as one batched
+                      matmul; every row is equally likely to be drawn. "all": recompute
                       every row of a foreign kernel's call (e.g. SDPA) in FP32, so Σc
                       and Σc² cover all rows (cost ≈ one FP32 attention forward per
                       watched call; benchmarks/RESULTS.md). flashwatch's own kernels

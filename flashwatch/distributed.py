@@ -84,16 +84,24 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -
         except Exception as e:
             out[i] = e
     for members in groups.values():
-        try:
-            sigma, v = gram_norm(torch.cat([w for _, w in members]))
-            sizes = [w.shape[0] for _, w in members]
-            for (i, _), s_i, v_i in zip(members, sigma.split(sizes), v.split(sizes),
-                                        strict=True):
-                out[i] = (s_i, v_i)
-        except Exception as e:
-            for i, _ in members:
-                out[i] = e
+        # Batches of at most BATCH_BYTES of FP32 W^Q: all layers at once on small models,
+        # one copy of a layer's W^Q at a time on large ones (the concatenation copies).
+        per = max(1, BATCH_BYTES // (4 * members[0][1].numel()))
+        for lo in range(0, len(members), per):
+            batch = members[lo:lo + per]
+            try:
+                sigma, v = gram_norm(torch.cat([w for _, w in batch]))
+                sizes = [w.shape[0] for _, w in batch]
+                for (i, _), s_i, v_i in zip(batch, sigma.split(sizes), v.split(sizes),
+                                            strict=True):
+                    out[i] = (s_i, v_i)
+            except Exception as e:
+                for i, _ in batch:
+                    out[i] = e
     return out
+
+
+BATCH_BYTES = 64 << 20  # GPT-2 Small: all 12 layers' W^Q (28 MB) in one batch
 
 
 def _dim0_rows(t, start: int, stop: int, head_dim: int):

@@ -266,10 +266,15 @@ def test_sampled_sums_do_not_change_with_the_world_size(tmp_path):
         assert got[key].delta_error_sum == pytest.approx(h.delta_error_sum / 2, rel=1e-6), key
 
 
-def test_spectral_norms_batches_plain_sites_and_keeps_each_ones_failure_its_own():
+@pytest.mark.parametrize("batch_bytes", [None, 1])
+def test_spectral_norms_batches_plain_sites_and_keeps_each_ones_failure_its_own(
+        batch_bytes, monkeypatch):
     """Two layers of one shape (one batched iteration) and a layer of another shape,
     cold then warm: each σ is the exact one of its own W^Q; a site whose W^Q cannot be
-    read gets its exception and leaves the others' norms alone."""
+    read gets its exception and leaves the others' norms alone. batch_bytes=1: one layer
+    per batch (large models)."""
+    if batch_bytes is not None:
+        monkeypatch.setattr(fw_dist, "BATCH_BYTES", batch_bytes)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**SMALL))
     other = GPT(GPTConfig(**{**SMALL, "n_embd": 48, "n_head": 3}))
