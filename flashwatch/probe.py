@@ -132,42 +132,48 @@ def sketch(c, z, y) -> torch.Tensor:
 
 @dataclass(eq=False)
 class Sample:
-    """One probed call's sampled rows, kept until the step's report, where `totals`
-    reduces the calls of every layer together. On small models the probe's cost is
-    per-op overhead, so stacking the calls whose shapes match makes it a few dozen ops a
-    step instead of a few dozen a call (4-layer CPU GPT: benchmarks/RESULTS.md), and on a
-    GPU one copy to the host a step instead of several a call. Memory: O(R·H·D) a call."""
+    """One probed call's sampled rows, reduced with the other calls by `totals` (at the
+    report, or once a micro-batch's worth of calls has its gradient): stacked over the
+    calls whose shapes match, a few dozen ops for all layers instead of a few dozen per
+    call (per-op overhead is the probe's cost on small models: benchmarks/RESULTS.md),
+    and on a GPU one copy to the host instead of several per call. What it keeps is
+    O(R·H·k) once the gradient arrived (O(R·H·D) before: O_used and O_fp32)."""
 
     heads: torch.Tensor  # [H] int64 (CPU): the layer's heads in the watcher's arrays
     b: torch.Tensor  # [R] batch element of each row (the call's device)
     t: torch.Tensor  # [R] query position of each row
-    o32: torch.Tensor  # [R, H, Dv] FP32 O of the rows (`recompute`)
-    pk: torch.Tensor  # [R, H, D]
     tied: torch.Tensor  # [R, H] bool
     row_max: torch.Tensor  # [R, H]
-    o_used: torch.Tensor  # [R, H, Dv] the O the backward's δ used, in FP32
-    z_in: torch.Tensor  # [R, C] the Q projection's input X, or [R, H, D] q (no X)
-    omega_z: torch.Tensor  # [C, k] (Ω_x) or [D, k] (Ω_q)
-    omega_a: torch.Tensor  # [D, k]
-    share_scale: float | None  # α²·rows/R, weight of ‖e_T‖² (docs/design.md §5); None: no X
-    do: torch.Tensor | None = None  # [R, H, Dv] dO of the rows, set by the gradient hook
-    c: torch.Tensor | None = None  # [R, H] float64 c from the kernel's own O_fp32 (hook)
-    c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row (hook)
+    z: torch.Tensor  # [R, k] Ω_xᵀ X[T], or [R, H, k] Ω_qᵀ q[T] (no X)
+    y: torch.Tensor  # [R, H, k] Ω_aᵀ PK[T]
+    share_w: torch.Tensor | None  # [R, H] float64 α²·(rows/R)·‖X‖²‖PK‖², None without X
+    o_used: torch.Tensor | None  # [R, H, Dv] FP32 O the backward's δ used; None once c is
+    o32: torch.Tensor | None  # [R, H, Dv] FP32 O of the rows (`recompute`); idem
+    c: torch.Tensor | None = None  # [R, H] float64, set by the gradient hook
+    c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row of the
+    # call, where flashwatch's kernel gave c on every row (else Σ over the sample)
+
+    def set_c(self, c: torch.Tensor, c_all: torch.Tensor | None = None) -> None:
+        self.c, self.c_all, self.o_used, self.o32 = c, c_all, None, None
 
 
-def totals(samples: list[Sample], n_heads: int, k: int) -> dict[str, torch.Tensor]:
-    """Per-head sums over the samples, [n_heads] float64 on the CPU (G [n_heads, k, k]):
-    tied (tied sampled rows), row_max (max over sampled rows, -inf if none), G, and
-    from the samples with a gradient delta_sum, delta_sq (Σc, Σc²: over every row where
-    the kernel gave c_all, else over the sampled rows) and share_num (Σ ‖e_T‖²)."""
-    f64 = dict(dtype=torch.float64)
-    out = dict(tied=torch.zeros(n_heads, **f64), row_max=torch.full((n_heads,), -math.inf, **f64),
-               G=torch.zeros(n_heads, k, k, **f64), delta_sum=torch.zeros(n_heads, **f64),
-               delta_sq=torch.zeros(n_heads, **f64), share_num=torch.zeros(n_heads, **f64))
+def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None
+           ) -> dict[str, torch.Tensor]:
+    """Per-head sums over the samples, added into `out` (new if None): [n_heads] float64
+    on the CPU (G [n_heads, k, k]): tied (tied sampled rows), row_max (max over the
+    sampled rows, -inf if none), G, and from the samples with c: delta_sum, delta_sq
+    (Σc, Σc²: over every row where the kernel gave c_all, else over the sampled rows)
+    and share_num (Σ ‖e_T‖²)."""
+    if out is None:
+        f64 = dict(dtype=torch.float64)
+        out = dict(tied=torch.zeros(n_heads, **f64),
+                   row_max=torch.full((n_heads,), -math.inf, **f64),
+                   G=torch.zeros(n_heads, k, k, **f64), delta_sum=torch.zeros(n_heads, **f64),
+                   delta_sq=torch.zeros(n_heads, **f64), share_num=torch.zeros(n_heads, **f64))
     groups: dict = {}
     for s in samples:
-        key = (s.o32.shape, s.pk.shape, s.z_in.shape, s.omega_z.shape, s.o32.device,
-               s.share_scale is None, s.do is None, s.c is None)
+        key = (s.tied.shape, s.z.shape, s.y.shape, s.tied.device, s.share_w is None,
+               s.c is None, s.c_all is None)
         groups.setdefault(key, []).append(s)
     for members in groups.values():
         _add_group(members, out)
@@ -182,28 +188,17 @@ def _add_group(ms: list[Sample], out: dict) -> None:
     idx = torch.cat([m.heads for m in ms])  # [L·H]
     parts = {"tied": stack("tied").sum(1), "row_max": stack("row_max").amax(1)}  # [L, H]
     first = ms[0]
-    if first.c is not None:  # c from the kernel: Σc, Σc² over every row came with it
-        c = stack("c")
-        c_all = stack("c_all")
-        parts["delta_sum"], parts["delta_sq"] = c_all[:, 0], c_all[:, 1]
-    elif first.do is not None:
-        c = delta_error(stack("do"), stack("o_used"), stack("o32"))  # [L, R, H]
-        parts["delta_sum"], parts["delta_sq"] = c.sum(1), c.square().sum(1)
-    else:  # no gradient reached these calls (no backward, or not through them)
-        c = None
-    if c is not None:
-        z_in, pk, om_z = stack("z_in").float(), stack("pk"), stack("omega_z")
-        z = torch.matmul(z_in, om_z if z_in.dim() == 3 else om_z[:, None])
-        y = torch.matmul(pk, stack("omega_a")[:, None])  # [L, R, H, k]
-        G = sketch(c, z, y)  # [L, H, k, k]
+    if first.c is not None:  # no c: no gradient reached these calls
+        c = stack("c")  # [L, R, H]
+        if first.c_all is not None:  # Σc, Σc² over every row came with it
+            c_all = stack("c_all")
+            parts["delta_sum"], parts["delta_sq"] = c_all[:, 0], c_all[:, 1]
+        else:
+            parts["delta_sum"], parts["delta_sq"] = c.sum(1), c.square().sum(1)
+        G = sketch(c, stack("z"), stack("y"))  # [L, H, k, k]
         out["G"].index_add_(0, idx, G.reshape(-1, *G.shape[2:]).cpu())
-        if first.share_scale is not None:
-            # ‖e_T‖² = α² c² ‖PK‖² ‖X‖², each sampled row standing for rows/R rows
-            scale = torch.tensor([m.share_scale for m in ms], dtype=torch.float64,
-                                 device=c.device)
-            w = scale[:, None, None] * (z_in.double().square().sum(-1, keepdim=True)
-                                        * pk.double().square().sum(-1))
-            parts["share_num"] = (w * c.square()).sum(1)
+        if first.share_w is not None:
+            parts["share_num"] = (stack("share_w") * c.square()).sum(1)
     for name, v in parts.items():
         v = v.reshape(-1).double().cpu()
         if name == "row_max":

@@ -7,12 +7,12 @@ One monitored optimizer step, end to end (docs/design.md §2):
             calls reach `_on_sdpa` / the interceptor here. A layer with a non-STANDARD
             head is routed to flashwatch's kernel with its modes. On monitored steps the
             probe samples rows, recomputes them in FP32 and hooks the output's gradient.
-  backward  the gradient hook keeps dO of the sampled rows; when flashwatch's own
-            kernel ran, it computes c[T] on every row from the kernel's FP32 O (Σc, Σc²
-            then cover all rows); a post-accumulate-grad hook on the Q projection's
+  backward  the gradient hook computes c[T] of the sampled rows; when flashwatch's own
+            kernel ran, from the kernel's FP32 O on every row (Σc, Σc² then cover all
+            rows); each micro-batch's samples are then reduced together (the sketch G,
+            the sums: probe.totals); a post-accumulate-grad hook on the Q projection's
             weight keeps ‖dW^Q_h‖² of the step for delta_error_share.
-  step()    once per optimizer step: c[T] and the sketch G of every layer's sampled rows
-            at once (probe.totals), W^Q spectral norms, one SUM and one MAX all_reduce
+  step()    once per optimizer step: W^Q spectral norms, one SUM and one MAX all_reduce
             across ranks (constant size in the world size), signals, policy, new
             modes from the next step, a StepReport to sinks.
 Failures inside flashwatch are logged once, counted and never raised into training.
@@ -160,6 +160,10 @@ class Watcher:
         self._errors_total = 0
         self._error_keys: set = set()
         self._monitor_seconds = 0.0
+        # probe.totals of the step's samples reduced so far (`_sample_done`), and how many
+        # samples got their c since
+        self._totals: dict | None = None
+        self._samples_done = 0
         self._removed = False
         self._attachment = Attachment(self)
         for st in self._states:
@@ -249,6 +253,7 @@ class Watcher:
             self._error("step", e)
             for st in self._states:
                 st.reset()
+            self._totals, self._samples_done = None, 0
             return None
         report.monitor_seconds = self._monitor_seconds + time.perf_counter() - t0
         self._monitor_seconds = 0.0
@@ -302,6 +307,7 @@ class Watcher:
             self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
             st.reset()
+        self._totals, self._samples_done = None, 0
         self._gen.set_state(sd["rng"])
         self._signals.load_state_dict(sd["signals"])
         self._policy.load_state_dict(sd["policy"])
@@ -521,21 +527,23 @@ class Watcher:
                              (st.modes == int(Mode.FP32_O)).to(q.device), st.o32_paper)
             # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
             # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
+            share_w = None
             x = st.x
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
-                z_in, omega_z = x.detach()[b, t].float(), st.omega_x  # [R, C]
-                share_scale = scale ** 2 * B * Nq / len(b)
+                xr = x.detach()[b, t].float()
+                z = xr @ st.omega_x.to(q.device)  # [R, k]
+                share_w = (scale ** 2 * B * Nq / len(b)) * (
+                    xr.double().square().sum(-1, keepdim=True) * pk.double().square().sum(-1))
             else:
                 if x is not None:
                     self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
                                     f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
                                     f"using q-space sketch terms")
-                z_in, omega_z, share_scale = q[b, :, t].float(), st.omega_q, None  # [R, H, D]
-        sample = probe.Sample(heads=st.heads, b=b, t=t, o32=o32, pk=pk, tied=tied,
-                              row_max=row_max, o_used=o_used, z_in=z_in,
-                              omega_z=omega_z.to(q.device), omega_a=st.omega_a.to(q.device),
-                              share_scale=share_scale)
+                z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
+            y = pk @ st.omega_a.to(q.device)  # [R, H, k]
+        sample = probe.Sample(heads=st.heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
+                              share_w=share_w, o_used=o_used, o32=o32)
         st.samples.append(sample)
         if out_graph.requires_grad:
             out_graph.register_hook(self._grad_hook(st, sample, every_row, B * Nq))
@@ -552,8 +560,9 @@ class Watcher:
             return
         sample, every_row, n_rows = st.no_grad_samples.pop()
         b, t, o_used = sample.b, sample.t, sample.o_used
-        if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
-                                  and o_used.shape[1:] == (out.shape[1], out.shape[3])):
+        if out.dim() != 4 or o_used is None or not (
+                int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
+                and o_used.shape[1:] == (out.shape[1], out.shape[3])):
             self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
@@ -561,20 +570,17 @@ class Watcher:
         out.register_hook(self._grad_hook(st, sample, every_row, n_rows))
 
     def _grad_hook(self, st, sample, every_row, n_rows):
-        """dO of the sampled rows (c and the sketch follow in probe.totals at the report),
-        or, where flashwatch's kernel gave O_fp32 (`every_row`), c on every row now,
-        while dO is at hand."""
+        """c[T] of the sampled rows while dO is at hand: against the kernel's own O_fp32
+        where flashwatch's kernel ran (`every_row`, which also gives c on every row),
+        else against the probe's FP32 recomputation. The sketch and the sums follow in
+        probe.totals, for a micro-batch's calls at once (`_sample_done`)."""
         def hook(grad):
             if self._removed:
                 return None
             t0 = time.perf_counter()
             try:
                 with torch.no_grad(), no_autocast(grad.device):
-                    s = sample
-                    if s.do is not None or s.c is not None:  # a second backward (retain_graph)
-                        s = dataclasses.replace(s, do=None, c=None, c_all=None)
-                        st.samples.append(s)
-                    b, t = s.b, s.t
+                    s, b, t = sample, sample.b, sample.t
                     if every_row is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
                         o_all, o32_all, fp32_heads, bf16_delta = every_row
                         if bf16_delta:  # the paper backward's δ: product and sum in BF16
@@ -587,29 +593,50 @@ class Watcher:
                         # The sampled rows' c is the kernel's own: exactly what FP32_O
                         # removes. Elsewhere it is against the probe's FP32 recomputation,
                         # which also counts the rounding of P̄ in O (reads high: README).
-                        s.c = c_all[b, :, t]  # [R, H]
-                        s.c_all = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
+                        c = c_all[b, :, t]  # [R, H]
+                        sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.delta_rows += c_all.shape[0] * c_all.shape[2]
-                    else:
-                        s.do = grad[b, :, t]
+                    elif s.o_used is not None:
+                        c, sums = probe.delta_error(grad[b, :, t], s.o_used, s.o32), None
                         st.delta_rows += len(b)
                         st.delta_missed += n_rows - len(b)
+                    else:  # a second backward through the call (retain_graph): its O_fp32
+                        return None  # is gone; the first one measured it
+                    s.set_c(c, sums)
                     st.grad_rows += len(b)
-                    if s.share_scale is not None:
+                    if s.share_w is not None:
                         st.share_rows += len(b)
+                    self._sample_done()
             except Exception as e:
                 self._error(f"gradient probe {st.site.name}", e)
             self._monitor_seconds += time.perf_counter() - t0
             return None
         return hook
 
+    def _sample_done(self) -> None:
+        """Once as many calls as there are layers have their c (a micro-batch, usually),
+        reduce them into the step's totals: memory stays one micro-batch of samples
+        however many micro-batches an optimizer step accumulates."""
+        self._samples_done += 1
+        if self._samples_done < len(self._states):
+            return
+        done = []
+        for st in self._states:
+            done += [s for s in st.samples if s.c is not None]
+            st.samples = [s for s in st.samples if s.c is None]
+        self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim,
+                                    self._totals)
+        self._samples_done = 0
+
     # ------------------------------------------------------------------------- step
 
     def _build_report(self, step: int) -> StepReport:
         cfg = self.config
         n, k = len(self._heads), cfg.sketch_dim
-        # every probed call of every layer reduced at once (flashwatch/probe.py)
-        tot = probe.totals([smp for st in self._states for smp in st.samples], n, k)
+        # every probed call not reduced yet, of every layer at once (flashwatch/probe.py)
+        tot = probe.totals([smp for st in self._states for smp in st.samples], n, k,
+                           self._totals)
+        self._totals, self._samples_done = None, 0
         not_applied, withdrawn = {}, []
         per_head = []  # per layer, repeated over its heads: exact?, probe rows, grad rows,
         # rows with c, rows without, rows behind the ‖E‖² estimate, sampled?, averaged?

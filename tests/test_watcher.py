@@ -190,6 +190,42 @@ def test_gradient_accumulation_gives_one_monitor_step_with_all_micro_batches():
             (ha.tied_rowmax_ratio + hbb.tied_rowmax_ratio) / 2)
 
 
+@pytest.mark.parametrize("route_all", [False, True])
+def test_samples_of_many_micro_batches_are_reduced_as_they_complete(route_all, monkeypatch):
+    """Eight micro-batches in one optimizer step: the probe's per-call samples are
+    reduced once a micro-batch's worth has its gradient, so at most one micro-batch of
+    them is held, and the report equals the one reduced all at once at step()."""
+    def run(reduce_early):
+        torch.manual_seed(3)
+        model = GPT(GPTConfig(**SMALL))
+        w = fw.watch(model, rows_per_head=16, route_all=route_all)
+        if not reduce_early:
+            monkeypatch.setattr(w, "_sample_done", lambda: None)
+        g = torch.Generator().manual_seed(4)
+        held = []
+        for _ in range(8):
+            x, y = _batch(g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            (loss / 8).backward()
+            held.append(sum(len(st.samples) for st in w._states))
+        report = w.step()
+        w.remove()
+        return report, held
+
+    early, held_early = run(True)
+    late, held_late = run(False)
+    assert held_late == [2 * i for i in range(1, 9)]  # 2 layers: 2 samples a micro-batch
+    assert held_early == [0] * 8
+    for a, b in zip(_comparable(early)["heads"], _comparable(late)["heads"], strict=True):
+        assert math.isfinite(a["delta_error_sum"]) and a["delta_error_rows"] > 0
+        for key, va in a.items():
+            if isinstance(va, float):
+                assert va == pytest.approx(b[key], rel=1e-9, abs=1e-15, nan_ok=True), key
+            else:
+                assert va == b[key], key
+
+
 def test_every_n_steps_skips_unmonitored_steps_entirely():
     torch.manual_seed(4)
     model = GPT(GPTConfig(**SMALL))
