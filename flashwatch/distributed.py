@@ -79,8 +79,8 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -
             if local_wq_rows(site) is not None or is_dtensor(site.wq_source()):
                 out[i] = spectral_norm(site, v, iters, **kwargs)
                 continue
-            w = site.wq().float()
-            groups.setdefault((tuple(w.shape), w.device), []).append((i, w))
+            w = site.wq()  # a view: upcast once per batch, in gram_norm
+            groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
         except Exception as e:
             out[i] = e
     for members in groups.values():

@@ -26,12 +26,12 @@ def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
     it: 64 rows of B = 8, or every row). Every row has the same chance E·w/(batch·n_q)
     of being drawn, so sums over the sample scaled by batch·n_q/(E·w) stay unbiased;
     equal groups let `recompute` run every element's rows in one batched matmul.
-    Returns elems [E] and t [E, w] (int64, CPU), from `generator`."""
+    Returns elems [E] (int64, CPU; None when every element is drawn, in order: then
+    `recompute` slices instead of gathering) and t [E, w] (int64, CPU), from `generator`."""
     rows = min(n_rows, batch * n_q)
     w = -(-rows // batch)
     n_el = -(-rows // w)
-    elems = (torch.arange(batch) if n_el == batch
-             else torch.randperm(batch, generator=generator)[:n_el])
+    elems = None if n_el == batch else torch.randperm(batch, generator=generator)[:n_el]
     if w == n_q:
         t = torch.arange(n_q).expand(n_el, n_q)
     else:  # w distinct positions per element, uniformly (topk: 2× cheaper than a sort)
@@ -41,12 +41,14 @@ def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
 
 def flat(elems, t):
     """(b, t) of every sampled row, [E·w] each, in the order `recompute` returns them."""
+    if elems is None:
+        elems = torch.arange(t.shape[0], device=t.device)
     return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
 
 
 def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float):
     """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
-    element elems[j] (`sample_rows`; `flat` gives its (b, t)).
+    element elems[j] (element j if elems is None; `sample_rows`; `flat` gives (b, t)).
 
     q [B, H, N, D]; k, v [B, H_kv, N, D] with H_kv dividing H (grouped-query attention:
     query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa; never repeated
@@ -77,10 +79,13 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
     # overhead, so no per-row or per-element indexing here (benchmarks/RESULTS.md).
     outs = []
     for lo in range(0, E, step):
-        el, tc = elems[lo:lo + step], t[lo:lo + step]
-        n = len(el)
-        kv = (k, v)  # every element in order: no gather
-        if not (n == B and torch.equal(el, torch.arange(B, device=el.device))):
+        tc = t[lo:lo + step]
+        n = len(tc)
+        if elems is None:  # every element in order: slices, no gather
+            el = torch.arange(lo, lo + n, device=q.device)
+            kv = (k[lo:lo + n], v[lo:lo + n])
+        else:
+            el = elems[lo:lo + step]
             kv = (k[el], v[el])
         # Contiguous FP32 copies [n, G, Nk, D]: k and v are usually strided views of one
         # QKV projection, which the matmuls would copy again (2.2× the recompute's time
@@ -92,7 +97,7 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
             n, H, w, Nk) * scale  # [n, H, w, Nk]
         if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
             hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
-            s = s + torch.zeros(hidden.shape, device=q.device).masked_fill_(
+            s = s + torch.zeros(hidden.shape, dtype=s.dtype, device=q.device).masked_fill_(
                 hidden, -math.inf)[:, None]
         if mask is not None:
             m = mask[el[:, None], :, tc].transpose(1, 2)  # [n, H, w, Nk]
@@ -121,6 +126,11 @@ def delta_error(do_rows, o_used, o32) -> torch.Tensor:
     return (do_rows.double() * (o_used.double() - o32.double())).sum(-1)
 
 
+def o_error(o_used, o32) -> torch.Tensor:
+    """O_used - O_fp32 in FP64 (exact), [..., R, H, Dv]: c = Σ_d dO·that (`delta_error`)."""
+    return o_used.double() - o32.double()
+
+
 def sketch(c, z, y) -> torch.Tensor:
     """G [..., H, k, k] = Σ_T c[T] z[T] y[T]ᵀ, over any leading batch dims. z is
     [..., R, k] (from X) or [..., R, H, k] (q-space); c [..., R, H], y [..., R, H, k]."""
@@ -136,8 +146,9 @@ class Sample:
     report, or once a micro-batch's worth of calls has its gradient): stacked over the
     calls whose shapes match, a few dozen ops for all layers instead of a few dozen per
     call (per-op overhead is the probe's cost on small models: benchmarks/RESULTS.md),
-    and on a GPU one copy to the host instead of several per call. What it keeps is
-    O(R·H·k) once the gradient arrived (O(R·H·D) before: O_used and O_fp32)."""
+    and on a GPU one copy to the host instead of several per call. Memory: O(R·H·D) a
+    call (d), from its forward until its micro-batch is reduced or, with retain_graph,
+    until its graph is freed (each further backward through it adds its own c)."""
 
     heads: torch.Tensor  # [H] int64 (CPU): the layer's heads in the watcher's arrays
     b: torch.Tensor  # [R] batch element of each row (the call's device)
@@ -147,14 +158,10 @@ class Sample:
     z: torch.Tensor  # [R, k] Ω_xᵀ X[T], or [R, H, k] Ω_qᵀ q[T] (no X)
     y: torch.Tensor  # [R, H, k] Ω_aᵀ PK[T]
     share_w: torch.Tensor | None  # [R, H] float64 α²·(rows/R)·‖X‖²‖PK‖², None without X
-    o_used: torch.Tensor | None  # [R, H, Dv] FP32 O the backward's δ used; None once c is
-    o32: torch.Tensor | None  # [R, H, Dv] FP32 O of the rows (`recompute`); idem
+    d: torch.Tensor  # [R, H, Dv] float64 O_used - O_fp32 of the rows (c = Σ_d dO·d)
     c: torch.Tensor | None = None  # [R, H] float64, set by the gradient hook
     c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row of the
     # call, where flashwatch's kernel gave c on every row (else Σ over the sample)
-
-    def set_c(self, c: torch.Tensor, c_all: torch.Tensor | None = None) -> None:
-        self.c, self.c_all, self.o_used, self.o32 = c, c_all, None, None
 
 
 def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None

@@ -71,6 +71,10 @@ def gram_norm(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     H, a, b = W.shape
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.detach().to(dtype)
+    # Each head scaled to max |entry| 1 (σ scaled back at the end): the Gram of an
+    # exploding weight (entries 1e18) would overflow FP32, of a vanishing one underflow.
+    amax = W.abs().amax(dim=(1, 2))
+    W = W / torch.where(amax > 0, amax, 1.0)[:, None, None]
     left = a <= b  # M = W Wᵀ [a, a], whose top eigenvector is the left singular vector
     M = W @ W.mT if left else W.mT @ W
     P = M
@@ -86,7 +90,7 @@ def gram_norm(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sigma = x.norm(dim=1)
     v = x / sigma[:, None].clamp_min(1e-30) if left else e
     finite = torch.isfinite(sigma) & torch.isfinite(v).all(dim=1)
-    return torch.where(finite, sigma, torch.full_like(sigma, math.nan)), v
+    return torch.where(finite, sigma * amax, torch.full_like(sigma, math.nan)), v
 
 
 def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int = 4,

@@ -96,8 +96,8 @@ class _SiteState:
     wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
     sampled: bool = False  # a probed call of this step measured only some of its rows
-    # (sample, every_row) of calls made without grad, for a reentrant checkpoint's
-    # recompute to hook
+    # (sample, every_row, rows of the call) of calls made without grad, for a
+    # reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
 
     def reset(self) -> None:
@@ -504,12 +504,13 @@ class Watcher:
         with torch.no_grad(), no_autocast(q.device):
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
-            elems, tq = (r.to(q.device) for r in probe.sample_rows(self._gen, B, Nq, n_rows))
+            elems, tq = probe.sample_rows(self._gen, B, Nq, n_rows)
+            elems = None if elems is None else elems.to(q.device)
+            tq = tq.to(q.device)
             b, t = probe.flat(elems, tq)
             st.sampled = st.sampled or len(b) < B * Nq  # G from some rows only
             o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
-            st.probe_rows += len(b)
             o_used = out[b, :, t].float()
             if routed:
                 fp32_heads = st.modes == int(Mode.FP32_O)
@@ -543,8 +544,9 @@ class Watcher:
                 z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
             y = pk @ st.omega_a.to(q.device)  # [R, H, k]
         sample = probe.Sample(heads=st.heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
-                              share_w=share_w, o_used=o_used, o32=o32)
+                              share_w=share_w, d=probe.o_error(o_used, o32))
         st.samples.append(sample)
+        st.probe_rows += len(b)  # with its ties, never apart from them
         if out_graph.requires_grad:
             out_graph.register_hook(self._grad_hook(st, sample, every_row, B * Nq))
         else:  # a reentrant checkpoint's first forward: its recompute takes the gradient
@@ -559,10 +561,9 @@ class Watcher:
         if not (out.requires_grad and st.no_grad_samples):
             return
         sample, every_row, n_rows = st.no_grad_samples.pop()
-        b, t, o_used = sample.b, sample.t, sample.o_used
-        if out.dim() != 4 or o_used is None or not (
-                int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
-                and o_used.shape[1:] == (out.shape[1], out.shape[3])):
+        b, t, d = sample.b, sample.t, sample.d
+        if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
+                                  and d.shape[1:] == (out.shape[1], out.shape[3])):
             self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
@@ -596,13 +597,19 @@ class Watcher:
                         c = c_all[b, :, t]  # [R, H]
                         sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.delta_rows += c_all.shape[0] * c_all.shape[2]
-                    elif s.o_used is not None:
-                        c, sums = probe.delta_error(grad[b, :, t], s.o_used, s.o32), None
+                    else:
+                        c = (grad[b, :, t].double() * s.d).sum(-1)  # probe.delta_error
+                        sums = None
                         st.delta_rows += len(b)
                         st.delta_missed += n_rows - len(b)
-                    else:  # a second backward through the call (retain_graph): its O_fp32
-                        return None  # is gone; the first one measured it
-                    s.set_c(c, sums)
+                    if s.c is None:
+                        s.c, s.c_all = c, sums
+                    else:  # a further backward through the call (retain_graph): its
+                        # gradient adds to W^Q's, so its c counts too, as a record of its
+                        # own; its rows' ties were counted with the forward's
+                        st.samples.append(dataclasses.replace(
+                            s, c=c, c_all=sums, tied=torch.zeros_like(s.tied),
+                            row_max=torch.full_like(s.row_max, -math.inf)))
                     st.grad_rows += len(b)
                     if s.share_w is not None:
                         st.share_rows += len(b)
@@ -620,13 +627,13 @@ class Watcher:
         self._samples_done += 1
         if self._samples_done < len(self._states):
             return
-        done = []
-        for st in self._states:
-            done += [s for s in st.samples if s.c is not None]
-            st.samples = [s for s in st.samples if s.c is None]
-        self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim,
-                                    self._totals)
         self._samples_done = 0
+        done = [s for st in self._states for s in st.samples if s.c is not None]
+        # Into a copy: if the reduction fails, the samples stay for step() to reduce.
+        acc = None if self._totals is None else {k: v.clone() for k, v in self._totals.items()}
+        self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim, acc)
+        for st in self._states:
+            st.samples = [s for s in st.samples if s.c is None]
 
     # ------------------------------------------------------------------------- step
 

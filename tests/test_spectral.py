@@ -138,15 +138,17 @@ def test_gram_norm_of_trained_looking_low_precision_and_float64_weights():
     assert s64.dtype == torch.float64 and _rel(s64, _exact(W)) < 1e-10
 
 
-def test_gram_norm_of_zero_tiny_and_non_finite_heads():
-    W = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(5))
+def test_gram_norm_of_zero_extreme_and_non_finite_heads():
+    W = torch.randn(6, 16, 32, generator=torch.Generator().manual_seed(5))
     W[1] = 0.0
     W[2, 3, 4] = float("nan")
-    W[3] *= 1e-12  # a Gram of ≈ 1e-22: small, but above the trace's clamp (1e-30)
+    W[3] *= 1e-12
+    W[4] *= 1e18  # an exploding weight: its Gram (1e37 per entry, ×32) overflows FP32
+    W[5] *= 1e-20  # a vanishing one: its Gram underflows
     sigma, v = gram_norm(W)
     assert sigma[1] == 0 and torch.equal(v[1], torch.zeros(32))
     assert math.isnan(sigma[2])
-    assert _rel(sigma[[0, 3]], _exact(W[[0, 3]])) < 1e-5
+    assert _rel(sigma[[0, 3, 4, 5]], _exact(W[[0, 3, 4, 5]])) < 1e-5
 
 
 @pytest.mark.parametrize("call, exc, words", [

@@ -226,6 +226,31 @@ def test_samples_of_many_micro_batches_are_reduced_as_they_complete(route_all, m
                 assert va == b[key], key
 
 
+@pytest.mark.parametrize("route_all", [False, True])
+def test_a_second_backward_through_one_forward_counts_its_own_gradient(route_all):
+    """loss.backward(retain_graph=True) twice: W^Q's gradient holds both, so the δ error
+    must too: every sum and count doubles, per head, against one backward."""
+    def run(backwards):
+        torch.manual_seed(3)
+        model = GPT(GPTConfig(**SMALL))
+        w = fw.watch(model, rows_per_head=16, route_all=route_all)
+        x, y = _batch(torch.Generator().manual_seed(4))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        for _ in range(backwards):
+            loss.backward(retain_graph=True)
+        report = w.step()
+        w.remove()
+        return report
+
+    once, twice = run(1), run(2)
+    for a, b in zip(once.heads, twice.heads, strict=True):
+        assert abs(a.delta_error_sum) > 0
+        assert b.delta_error_sum == pytest.approx(2 * a.delta_error_sum, rel=1e-9)
+        assert b.delta_error_rows == 2 * a.delta_error_rows
+        assert b.tied_rowmax_ratio == a.tied_rowmax_ratio  # one forward: rows seen once
+
+
 def test_every_n_steps_skips_unmonitored_steps_entirely():
     torch.manual_seed(4)
     model = GPT(GPTConfig(**SMALL))
