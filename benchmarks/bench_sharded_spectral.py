@@ -1,6 +1,7 @@
 """W^Q spectral norm of a sharded weight on 2 gloo ranks: the sharded power iteration
-(local rows, one all_reduce of H·(d_model + 1) numbers per iteration) against the
-gathering fallback (`full_tensor()` of W^Q, then the plain power iteration).
+(local rows, one all_reduce of H·(d_model + 1) numbers per iteration) against gathering
+W^Q (`full_tensor()`) and then the plain power iteration, or the Gram-matrix norm
+(`spectral.gram_norm`, what flashwatch's gathering fallback runs).
 
     python benchmarks/bench_sharded_spectral.py [--d-model 2048] [--heads 16] [--reps 5]
 
@@ -24,7 +25,7 @@ from torch import nn
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from flashwatch import distributed as fw_dist  # noqa: E402
 from flashwatch.sites import find_sites  # noqa: E402
-from flashwatch.spectral import power_iteration  # noqa: E402
+from flashwatch.spectral import gram_norm, power_iteration  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -57,8 +58,12 @@ def _worker(rank, world, init_file, args):
     def gathered(v):
         return power_iteration(site.wq().full_tensor().float(), v, 4)
 
+    def gathered_gram(v):
+        return gram_norm(site.wq().full_tensor().float())
+
     times = {}
-    for name, fn in (("sharded", sharded), ("gathered", gathered)):
+    for name, fn in (("sharded", sharded), ("gathered", gathered),
+                     ("gathered, Gram", gathered_gram)):
         t0 = time.perf_counter()
         sigma, v = fn(None)
         cold = time.perf_counter() - t0
@@ -78,7 +83,7 @@ def _worker(rank, world, init_file, args):
         times[name] = (cold, statistics.median(warm), err)
     if rank == 0:
         for name, (cold, warm, err) in times.items():
-            print(f"{name:9s} cold {cold * 1e3:8.1f} ms  warm {warm * 1e3:7.1f} ms  "
+            print(f"{name:15s} cold {cold * 1e3:8.1f} ms  warm {warm * 1e3:7.1f} ms  "
                   f"max rel. error {err:.1e}")
         print(f"numbers sent per iteration by the sharded one: H·(d_model+1) = "
               f"{H * (C + 1):,}; the gather moves W^Q, {full.numel():,}, per call")
