@@ -47,10 +47,11 @@ from flashwatch.sites import AttentionSite, find_sites
 log = logging.getLogger("flashwatch")
 
 STATE_VERSION = 1
-# Stop the warm-started W^Q power iteration once σ changes by less than this between
+# Stop the warm-started power iteration of a sharded W^Q (FSDP2; whole weights use the
+# Gram matrix, flashwatch/spectral.py) once σ changes by less than this between
 # iterations: its growth rule acts on changes of 20 %, and 1e-6 took 16 iterations a
-# layer against ≈ 7 (7.3 against 3.2 ms of a monitored step of the benchmark GPT) for digits
-# no rule reads (error against matrix_norm stays < 1e-3: tests/test_watcher.py).
+# layer against ≈ 7 on the benchmark GPT for digits no rule reads (error against
+# matrix_norm stays < 1e-3: tests/test_distributed.py).
 SPECTRAL_TOL = 1e-5
 
 
@@ -680,8 +681,8 @@ class Watcher:
         # rows behind it, ‖dW^Q_h‖², guarded rows
         extra = torch.stack([tot["delta_sq"], cols[3], cols[4], tot["share_num"], cols[5],
                              wq_grad_sq, stats[3]])
-        # plain or sharded (DTensor) W^Q alike, same-shape plain ones batched over layers
-        # (flashwatch/distributed.py)
+        # plain W^Q from their Gram matrices, same-shape ones batched over layers; sharded
+        # (DTensor) ones by the sharded power iteration (flashwatch/distributed.py)
         with torch.no_grad():
             norms = spectral_norms([st.site for st in self._states],
                                    [st.power_v for st in self._states], cfg.power_iters,
