@@ -121,14 +121,19 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
     return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
 
 
+def o_error(o_used, o32) -> torch.Tensor:
+    """d = O_used - O_fp32 in FP64 (exact), [..., R, H, Dv]: what a Sample keeps."""
+    return o_used.double() - o32.double()
+
+
+def c_of(do_rows, d) -> torch.Tensor:
+    """c[T] per head, [..., R, H] float64: Σ_d dO·d (d from `o_error`)."""
+    return (do_rows.double() * d).sum(-1)
+
+
 def delta_error(do_rows, o_used, o32) -> torch.Tensor:
     """c[T] per head, [..., R, H] float64: Σ_d dO·(O_used - O_fp32), exact in FP64."""
-    return (do_rows.double() * (o_used.double() - o32.double())).sum(-1)
-
-
-def o_error(o_used, o32) -> torch.Tensor:
-    """O_used - O_fp32 in FP64 (exact), [..., R, H, Dv]: c = Σ_d dO·that (`delta_error`)."""
-    return o_used.double() - o32.double()
+    return c_of(do_rows, o_error(o_used, o32))
 
 
 def sketch(c, z, y) -> torch.Tensor:

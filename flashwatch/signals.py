@@ -56,6 +56,8 @@ from dataclasses import dataclass
 
 import torch
 
+from flashwatch.spectral import psd_power
+
 F64 = torch.float64
 
 
@@ -100,13 +102,7 @@ def top_singular_pair(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     Returns zero vectors and σ_1 = 0 where C = 0.
     """
     n, k, _ = C.shape
-    M = C.mT @ C
-    for _ in range(2):
-        # Divide by the trace (= Σ eigenvalues ≥ λ_1 of this PSD matrix): then
-        # 1/k ≤ λ_1 ≤ 1, so the 8th power (3 squarings inside matrix_power) keeps
-        # λ_1^8 ≥ k^-8 far from underflow and nothing overflows. Two rounds: M^64.
-        trace = M.diagonal(dim1=1, dim2=2).sum(dim=1)
-        M = torch.linalg.matrix_power(M / trace.clamp_min(1e-300)[:, None, None], 8)
+    M = psd_power(C.mT @ C, 2)  # (CᵀC)^64
     v = M @ _START[k].to(C.dtype)
     v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-300)
     cv = (C @ v[:, :, None])[:, :, 0]

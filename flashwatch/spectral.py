@@ -53,6 +53,31 @@ def start_vector(n_heads: int, dim: int, *, seed: int = DEFAULT_SEED,
 GRAM_ROUNDS = 6  # M^(8^6) = M^262144: the module docstring's bound
 
 
+def psd_power(M: torch.Tensor, rounds: int) -> torch.Tensor:
+    """M^(8^rounds) of each PSD M[i] ([n, m, m]) up to a positive factor per matrix, by
+    repeated squaring: only the top eigenvector(s) survive. Each round divides by the
+    trace (≥ λ_1), so λ_1 ∈ [1/m, 1] and its 8th power (3 squarings inside
+    matrix_power) stays ≥ m^-8 > 0 and nothing overflows. A zero M[i] stays zero."""
+    floor = 1e-300 if M.dtype == torch.float64 else 1e-30
+    for _ in range(rounds):
+        trace = M.diagonal(dim1=1, dim2=2).sum(dim=1)
+        M = torch.linalg.matrix_power(M / trace.clamp_min(floor)[:, None, None], 8)
+    return M
+
+
+def _check_w(W) -> None:
+    if not isinstance(W, torch.Tensor):
+        raise TypeError(f"W must be a torch.Tensor [H, a, b], got {type(W).__name__}")
+    if W.dim() != 3:
+        raise ValueError(
+            f"W must have shape [H, a, b] (one matrix per head), got {list(W.shape)}; "
+            f"use W.unsqueeze(0) for a single matrix"
+        )
+    if not W.dtype.is_floating_point:
+        raise TypeError(f"W must be a floating-point tensor, got dtype {W.dtype}; "
+                        f"cast with W.float()")
+
+
 def gram_norm(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Largest singular value of each W[h] (shape [H, a, b]) and its right singular
     vector, from the Gram matrix of the smaller side (module docstring).
@@ -60,14 +85,7 @@ def gram_norm(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Returns (sigma [H], v [H, b]), float64 when W is float64, else float32 (bf16/fp16
     weights are upcast). A zero W[h] gives σ = 0 and v = 0; a non-finite one σ = NaN.
     """
-    if not isinstance(W, torch.Tensor):
-        raise TypeError(f"W must be a torch.Tensor [H, a, b], got {type(W).__name__}")
-    if W.dim() != 3:
-        raise ValueError(f"W must have shape [H, a, b] (one matrix per head), got "
-                         f"{list(W.shape)}; use W.unsqueeze(0) for a single matrix")
-    if not W.dtype.is_floating_point:
-        raise TypeError(f"W must be a floating-point tensor, got dtype {W.dtype}; "
-                        f"cast with W.float()")
+    _check_w(W)
     H, a, b = W.shape
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.detach().to(dtype)
@@ -76,13 +94,7 @@ def gram_norm(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = W.abs().amax(dim=(1, 2))
     W = W / torch.where(amax > 0, amax, 1.0)[:, None, None]
     left = a <= b  # M = W Wᵀ [a, a], whose top eigenvector is the left singular vector
-    M = W @ W.mT if left else W.mT @ W
-    P = M
-    for _ in range(GRAM_ROUNDS):
-        # Divided by its trace (≥ λ_1 of this PSD matrix), λ_1 ∈ [1/m, 1], so the 8th
-        # power (3 squarings inside matrix_power) stays ≥ m^-8 > 0 and nothing overflows.
-        trace = P.diagonal(dim1=1, dim2=2).sum(dim=1)
-        P = torch.linalg.matrix_power(P / trace.clamp_min(1e-30)[:, None, None], 8)
+    P = psd_power(W @ W.mT if left else W.mT @ W, GRAM_ROUNDS)
     # P ≈ e eᵀ: its row with the largest diagonal entry is the longest multiple of e.
     e = P[torch.arange(H, device=P.device), P.diagonal(dim1=1, dim2=2).argmax(dim=1)]
     e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-30)
@@ -108,16 +120,7 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
     A zero W[h] gives σ = 0 and keeps its vector. A non-finite W[h] gives σ = NaN and
     returns the seeded start vector for that head, so a later call can recover.
     """
-    if not isinstance(W, torch.Tensor):
-        raise TypeError(f"W must be a torch.Tensor [H, a, b], got {type(W).__name__}")
-    if W.dim() != 3:
-        raise ValueError(
-            f"W must have shape [H, a, b] (one matrix per head), got {list(W.shape)}; "
-            f"use W.unsqueeze(0) for a single matrix"
-        )
-    if not W.dtype.is_floating_point:
-        raise TypeError(f"W must be a floating-point tensor, got dtype {W.dtype}; "
-                        f"cast with W.float()")
+    _check_w(W)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"iters must be a positive int, got {iters!r}")
     if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:

@@ -252,9 +252,7 @@ class Watcher:
             report = self._build_report(completed)
         except Exception as e:  # never take the run down
             self._error("step", e)
-            for st in self._states:
-                st.reset()
-            self._totals, self._samples_done = None, 0
+            self._clear_step()
             return None
         report.monitor_seconds = self._monitor_seconds + time.perf_counter() - t0
         self._monitor_seconds = 0.0
@@ -307,8 +305,7 @@ class Watcher:
         for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
             self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
-            st.reset()
-        self._totals, self._samples_done = None, 0
+        self._clear_step()
         self._gen.set_state(sd["rng"])
         self._signals.load_state_dict(sd["signals"])
         self._policy.load_state_dict(sd["policy"])
@@ -513,20 +510,18 @@ class Watcher:
             o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
             o_used = out[b, :, t].float()
-            if routed:
-                fp32_heads = st.modes == int(Mode.FP32_O)
-                if bool(fp32_heads.any()):
-                    # δ of these heads came from the kernel's FP32 O; its residual error
-                    # is at FP32 rounding, far below what the probe resolves: count 0.
-                    fp32_heads = fp32_heads.to(q.device)
-                    o_used[:, fp32_heads] = o32[:, fp32_heads]
+            fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
+            if routed and bool(fp32_heads.any()):
+                # δ of these heads came from the kernel's FP32 O; its residual error is at
+                # FP32 rounding, far below what the probe resolves: count it as 0.
+                o_used[:, fp32_heads.to(q.device)] = o32[:, fp32_heads.to(q.device)]
             every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads, BF16 δ)
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
-                every_row = (out, o32_all.permute(1, 0, 2, 3),
-                             (st.modes == int(Mode.FP32_O)).to(q.device), st.o32_paper)
+                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads.to(q.device),
+                             st.o32_paper)
             # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
             # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
             share_w = None
@@ -599,7 +594,7 @@ class Watcher:
                         sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.delta_rows += c_all.shape[0] * c_all.shape[2]
                     else:
-                        c = (grad[b, :, t].double() * s.d).sum(-1)  # probe.delta_error
+                        c = probe.c_of(grad[b, :, t], s.d)
                         sums = None
                         st.delta_rows += len(b)
                         st.delta_missed += n_rows - len(b)
@@ -620,6 +615,13 @@ class Watcher:
             self._monitor_seconds += time.perf_counter() - t0
             return None
         return hook
+
+    def _clear_step(self) -> None:
+        """Empty every accumulator of the step being measured (after its report, after a
+        failed one, on load)."""
+        for st in self._states:
+            st.reset()
+        self._totals, self._samples_done = None, 0
 
     def _sample_done(self) -> None:
         """Once as many calls as there are layers have their c (a micro-batch, usually),
@@ -644,7 +646,6 @@ class Watcher:
         # every probed call not reduced yet, of every layer at once (flashwatch/probe.py)
         tot = probe.totals([smp for st in self._states for smp in st.samples], n, k,
                            self._totals)
-        self._totals, self._samples_done = None, 0
         not_applied, withdrawn = {}, []
         per_head = []  # per layer, repeated over its heads: exact?, probe rows, grad rows,
         # rows with c, rows without, rows behind the ‖E‖² estimate, sampled?, averaged?
@@ -666,8 +667,7 @@ class Watcher:
         stats = [torch.cat([getattr(st.stats, f) for st in self._states]).double()
                  for f in ("tied_rows", "rows", "max_logit", "guarded_rows")]
         wq_grad_sq = torch.cat([st.wq_grad_sq for st in self._states])
-        for st in self._states:
-            st.reset()
+        self._clear_step()
         cols = torch.tensor(per_head, dtype=torch.float64).T
         exact, sampled, averaged = cols[0] > 0, cols[6] > 0, cols[7] > 0
         # routed: the kernel's exact counts over all rows; else the probe's sample
