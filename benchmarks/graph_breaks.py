@@ -1,5 +1,7 @@
 """Graph breaks torch.compile (Dynamo) finds in a watched model's forward, unmonitored
-and monitored step, for examples/gpt.py's GPT and a tiny Hugging Face Llama (CPU):
+and monitored step (the first one, before the watcher has seen the layers' calls, and a
+later one, with the probe traced into the graph: flashwatch/traced.py), for
+examples/gpt.py's GPT and a tiny Hugging Face Llama (CPU):
     python benchmarks/graph_breaks.py
 Printed side by side with the unwatched model's count; nothing is asserted here
 (tests/test_compile.py asserts the GPT's 0 on unmonitored steps).
@@ -38,17 +40,26 @@ def _breaks(model, x) -> int:
     return torch._dynamo.explain(model)(x).graph_break_count
 
 
+def _logits(out):
+    return out[0] if isinstance(out, tuple) else out.logits
+
+
 def main() -> None:
     x = torch.randint(0, 32, (2, 16))
-    print(f"{'model':22s} {'unwatched':>9s} {'unmonitored':>11s} {'monitored':>9s}")
+    print(f"{'model':22s} {'unwatched':>9s} {'unmonitored':>11s} {'monitored, first':>16s} "
+          f"{'monitored, traced':>17s}")
     for name, model in _models():
         plain = _breaks(model, x)
         w = fw.watch(model, every_n_steps=2)
-        monitored = _breaks(model, x)
+        first = _breaks(model, x)  # force_eager: nothing compiles (explain says -1)
+        _logits(model(x)).float().sum().backward()  # measured eagerly: layers seen
         w.step()  # step 1: unmonitored
         unmonitored = _breaks(model, x)
+        w.step()  # step 2: monitored, traced
+        traced = _breaks(model, x)
         w.remove()
-        print(f"{name:22s} {plain:9d} {unmonitored:11d} {monitored:9d}")
+        first = "eager" if first < 0 else str(first)
+        print(f"{name:22s} {plain:9d} {unmonitored:11d} {first:>16s} {traced:17d}")
 
 
 if __name__ == "__main__":

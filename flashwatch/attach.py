@@ -6,8 +6,10 @@ Three mechanisms, all undone by `Attachment.detach()`:
              On steps where the layer is neither measured nor routed that forward only
              calls the original: plain attribute reads that torch.compile guards on,
              so compiled code traces it with no graph break (fullgraph=True holds).
-             Otherwise the layer runs eagerly (`Attachment.run`, torch._dynamo.disable:
-             one graph break per watched layer on those steps).
+             On measured steps inside compiled code, a layer known to make plain SDPA
+             calls runs `flashwatch.traced.run` (traced into the graph: the probe is a
+             torch.library op). Otherwise the layer runs eagerly (`Attachment.run`,
+             torch._dynamo.disable: one graph break per watched layer on those steps).
   interception  while a watched module runs eagerly, a ContextVar (calls to
              flashwatch.attention) and a TorchFunctionMode (calls to
              F.scaled_dot_product_attention) attribute its attention calls to its layer.
@@ -16,7 +18,8 @@ Three mechanisms, all undone by `Attachment.detach()`:
              (delta_error_share). The watcher arms them when a monitored step begins and
              disarms them after its report, so an unmonitored step runs no flashwatch
              Python in the model at all (benchmarks/RESULTS.md, "Watcher overhead").
-  stance     measured steps run every compiled function eagerly (`force_eager`): see
+  stance     measured steps run every compiled function eagerly (`force_eager`) unless
+             every watched layer can take the traced probe (Watcher._stance): see
              `Attachment.force_eager`.
 """
 
@@ -33,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flashwatch import dispatch as _dispatch_mod
+from flashwatch import traced as _traced
 
 log = logging.getLogger("flashwatch")
 
@@ -73,6 +77,8 @@ def watched_class(base: type) -> type:
             w = None if link is None else link.watcher
             if w is not None and not w._removed and (
                     link.st.routed or (w._monitoring and not w._paused)):
+                if link.st.traced and torch.compiler.is_compiling():
+                    return _traced.run(link.st, module, original, args, kwargs)
                 return w._attachment.run(link.st, module, original, args, kwargs)
             return original(module, *args, **kwargs)
 
@@ -272,13 +278,15 @@ class Attachment:
                 wq.register_post_accumulate_grad_hook(self.watcher._wq_grad_hook(st)))
 
     def force_eager(self, on: bool) -> None:
-        """While a step is measured, every torch.compile'd function runs eagerly
-        (Dynamo's "force_eager" stance), so compiled models are measured without a graph
-        break. A graph break there would sit inside the model's loop over its layers,
-        where Dynamo cannot resume: it then runs that whole frame eagerly on every later
-        step too (a compiled GPT lost 2.7 % per unmonitored step after one monitored
-        step: benchmarks/RESULTS.md). The stance is process-wide: it holds while any
-        watcher measures, and the user's own comes back when none does."""
+        """While a step is measured and some layer cannot take the traced probe (not yet
+        seen calling SDPA, calling flashwatch.attention, routed), every torch.compile'd
+        function runs eagerly (Dynamo's "force_eager" stance), so compiled models are
+        measured without a graph break. A graph break there would sit inside the
+        model's loop over its layers, where Dynamo cannot resume: it then runs that
+        whole frame eagerly on every later step too (a compiled GPT lost 2.7 % per
+        unmonitored step after one monitored step: benchmarks/RESULTS.md). The stance
+        is process-wide: it holds while any such watcher measures, and the user's own
+        comes back when none does."""
         try:
             _measuring(id(self), on)
         except Exception as e:  # e.g. step() called inside a compiled region

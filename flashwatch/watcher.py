@@ -4,7 +4,9 @@ One monitored optimizer step, end to end (docs/design.md §2):
   forward   flashwatch/attach.py marks the watched attention module current on monitored
             steps and at routed layers (else its forward only calls the original, for
             torch.compile), so its F.scaled_dot_product_attention and flashwatch.attention
-            calls reach `_on_sdpa` / the interceptor here. A layer with a non-STANDARD
+            calls reach `_on_sdpa` / the interceptor here (in compiled code, once the
+            layer was seen calling SDPA: `_traced_probe` via flashwatch/traced.py's
+            ops, traced into the graph). A layer with a non-STANDARD
             head is routed to flashwatch's kernel with its modes. On monitored steps the
             probe samples rows, recomputes them in FP32 and hooks the output's gradient.
   backward  the gradient hook computes c[T] of the sampled rows; when flashwatch's own
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from flashwatch import dispatch as _dispatch_mod
-from flashwatch import probe, reduce
+from flashwatch import probe, reduce, traced
 from flashwatch.attach import Attachment, recomputing
 from flashwatch.config import WatchConfig
 from flashwatch.distributed import spectral_norms, world_size, wq_grad_sq
@@ -100,6 +102,17 @@ class _SiteState:
     # (sample, every_row, rows of the call) of calls made without grad, for a
     # reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
+    # Compiled monitored steps (flashwatch/traced.py): the layer's key for the probe ops,
+    # its TorchFunctionMode, and what eager monitored steps saw it call. `traced` (read
+    # by the forward wrapper on measured steps; Dynamo guards on it) says whether its
+    # compiled forward runs the traced probe.
+    key: int = -1
+    key_t: torch.Tensor | None = None  # key as a 0-dim int64 tensor, for the ops
+    q_path: str | None = None  # the nn.Linear Q projection inside the module (traced.q_path)
+    sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
+    fw_seen: bool = False  # made a flashwatch.attention call while measured
+    traced: bool = False
+    traced_pending: list = field(default_factory=list)  # (sample, None, rows) by call
 
     def reset(self) -> None:
         H = self.site.num_heads
@@ -111,6 +124,7 @@ class _SiteState:
         self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
         self.sampled = False
         self.no_grad_samples = []
+        self.traced_pending = []
 
 
 class Watcher:
@@ -168,8 +182,12 @@ class Watcher:
         self._removed = False
         self._attachment = Attachment(self)
         for st in self._states:
+            st.key = traced.register(self, st)
+            st.key_t = torch.tensor(st.key)
+            st.q_path = traced.q_path(st.site.module, st.site.q_module)
             self._set_modes(st, st.modes)
             self._attachment.wrap(st)
+        weakref.finalize(self, traced.unregister, [st.key for st in self._states])
         self._arm()  # step 0 is monitored
 
     # ----------------------------------------------------------------------- public API
@@ -254,6 +272,8 @@ class Watcher:
             self._error("step", e)
             self._clear_step()
             return None
+        finally:  # the layers this step saw measured, and new modes, decide the stance
+            self._stance()
         report.monitor_seconds = self._monitor_seconds + time.perf_counter() - t0
         self._monitor_seconds = 0.0
         report.monitor_errors_total = self._errors_total
@@ -321,6 +341,7 @@ class Watcher:
             return
         self._removed = True
         self._attachment.detach()
+        traced.unregister([st.key for st in self._states])
         for sink in self.sinks:
             close = getattr(sink, "close", None)
             if close is not None:
@@ -344,11 +365,29 @@ class Watcher:
             self._attachment.arm(self._states)
         else:
             self._attachment.disarm()
-        self._attachment.force_eager(self._measuring)
+        self._stance()
+
+    def _stance(self) -> None:
+        """A measured step stays compiled when every layer can run the traced probe
+        (flashwatch/traced.py); else every compiled function runs it eagerly."""
+        for st in self._states:
+            st.traced = self._traceable(st)
+        self._attachment.force_eager(
+            self._measuring and not all(st.traced for st in self._states))
+
+    @staticmethod
+    def _traceable(st: _SiteState) -> bool:
+        """Seen measured (eagerly) making SDPA calls only, no head modes, and X from an
+        nn.Linear Q projection inside the module, or none: what the traced probe measures
+        like the eager one."""
+        return (st.sdpa_seen and not st.fw_seen and not st.routed and not st.shadowed
+                and (st.site.q_module is None or st.q_path is not None))
 
     def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
         st.modes = modes
         st.routed = self.config.route_all or bool(modes.any())
+        if hasattr(self, "_attachment"):  # a routed layer runs eagerly (attach.py)
+            self._stance()
 
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
@@ -373,14 +412,10 @@ class Watcher:
     # ------------------------------------------------------------- attention handling
 
     def _on_sdpa(self, st: _SiteState, func, args, kwargs):
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                 "enable_gqa")
-        a = dict(zip(names, args, strict=False))  # SDPA takes fewer positionals
-        a.update(kwargs)
-        q, k, v = a["query"], a["key"], a["value"]
-        if torch.is_autocast_enabled(q.device.type):  # route and probe what SDPA computes
-            dt = torch.get_autocast_dtype(q.device.type)  # with: rotary models hand it
-            q, k, v = (t.to(dt) for t in (q, k, v))  # FP32 q, k and a BF16 v
+        a = traced.sdpa_args(args, kwargs)
+        # route and probe what SDPA computes with (autocast: rotary models hand it FP32
+        # q, k and a BF16 v)
+        q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
         route = st.routed
@@ -409,12 +444,14 @@ class Watcher:
         if out is None:
             out = func(*args, **kwargs)
         if self._measuring:
+            st.sdpa_seen = True
             self._safe_probe(st, q, k, v, out, causal, scale, mask, routed)
         return out
 
     def _make_fw_interceptor(self, st: _SiteState):
         def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0,
                       eps=1e-3, stats=None, backend="auto"):
+            st.fw_seen = True  # its compiled steps stay on the eager path (traced.py)
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats)
@@ -484,21 +521,52 @@ class Watcher:
             if recomputing():
                 self._hook_recompute(st, out)
             else:
-                self._probe(st, q, k, v, out, causal, scale, mask, routed)
+                got = self._probe(st, q, k, v, out, causal, scale, mask, routed)
+                if got is None:
+                    pass
+                elif out.requires_grad:  # the hook goes on the tensor autograd sees
+                    out.register_hook(self._grad_hook(st, *got))
+                else:  # a reentrant checkpoint's first forward: its recompute takes it
+                    st.no_grad_samples.append(got)
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
         self._monitor_seconds += time.perf_counter() - t0
 
+    def _traced_probe(self, st, q, k, v, out, x, mask, causal, scale):
+        """torch.ops.flashwatch.probe (a compiled monitored step, flashwatch/traced.py):
+        the eager probe on the call, X handed in by the layer's Interceptor; the
+        gradient arrives through torch.ops.flashwatch.probe_grad (`_traced_grad`)."""
+        if not self._measuring or self._removed or recomputing():
+            return  # a checkpoint's recompute inside the compiled backward: counted
+        t0 = time.perf_counter()
+        try:
+            st.x = x
+            got = self._probe(st, q, k, v, out, causal, scale, mask, False)
+            if got is not None:
+                st.traced_pending.append(got)
+        except Exception as e:
+            self._error(f"probe {st.site.name}", e)
+        finally:
+            st.x = None
+        self._monitor_seconds += time.perf_counter() - t0
+
+    def _traced_grad(self, st, grad) -> None:
+        """torch.ops.flashwatch.probe_grad: the gradient of the layer's last probed call
+        still waiting for one (backward runs the calls in reverse order)."""
+        if st.traced_pending and not self._removed:
+            self._grad_hook(st, *st.traced_pending.pop())(grad)
+
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed):
+        """Sample rows of the call, recompute them in FP32, keep their Sample; returns
+        (sample, every_row, rows of the call) for the gradient step, None if not probed."""
         cfg = self.config
         o32_all, st.o32 = (st.o32 if routed else None), None
         if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
             self._warn_once(st, "shape", f"flashwatch: {st.site.name}: attention on shape "
                             f"{tuple(q.shape)} is not [B, H, N, D]; not probed")
-            return
+            return None
         B, H, Nq, D = q.shape
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-        out_graph = out  # the gradient hook goes on the tensor autograd sees
         with torch.no_grad(), no_autocast(q.device):
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
@@ -543,10 +611,7 @@ class Watcher:
                               share_w=share_w, d=probe.o_error(o_used, o32))
         st.samples.append(sample)
         st.probe_rows += len(b)  # with its ties, never apart from them
-        if out_graph.requires_grad:
-            out_graph.register_hook(self._grad_hook(st, sample, every_row, B * Nq))
-        else:  # a reentrant checkpoint's first forward: its recompute takes the gradient
-            st.no_grad_samples.append((sample, every_row, B * Nq))
+        return sample, every_row, B * Nq
 
     def _hook_recompute(self, st, out):
         """Activation checkpointing's recompute of a call already counted: count nothing

@@ -102,8 +102,9 @@ def test_recomputing_is_true_only_inside_a_checkpoint_recompute():
 
 def test_the_eager_stance_holds_while_any_watcher_measures():
     a, b = _gpt(0), _gpt(1)
-    wa = fw.watch(a, every_n_steps=2)
-    wb = fw.watch(b, every_n_steps=3)
+    # route_all: routed layers run eagerly, so their measured steps use force_eager
+    wa = fw.watch(a, every_n_steps=2, route_all=True)
+    wb = fw.watch(b, every_n_steps=3, route_all=True)
     seen = []
     for step in range(6):
         seen.append(torch._dynamo.eval_frame._stance.stance)
@@ -124,7 +125,7 @@ def test_a_watcher_dropped_while_measuring_gives_the_stance_back():
     import gc
 
     model = _gpt()
-    w = fw.watch(model, every_n_steps=1)
+    w = fw.watch(model, every_n_steps=1, route_all=True)
     _step(model, w)
     assert torch._dynamo.eval_frame._stance.stance == "force_eager"
     del model, w

@@ -65,30 +65,90 @@ def test_unmonitored_steps_trace_without_a_graph_break_and_fullgraph_holds():
     w.remove()
 
 
-def test_monitored_steps_run_the_compiled_model_eagerly_and_leave_its_graph_whole():
-    """Measured steps run under Dynamo's force_eager stance: nothing is compiled or
-    broken there. A graph break instead would sit in GPT.forward's layer loop, where
-    Dynamo gives up on the whole frame for good (the unmonitored steps after it then ran
-    the loop eagerly, 2.7 % slower). Afterwards: one full graph, the user's stance back."""
+FIELDS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum", "delta_error_share",
+          "r_projection_cumulative", "wq_spectral_norm", "delta_error_rows")
+
+
+def _fields(report):
+    return [(h.layer, h.head, *(getattr(h, f) for f in FIELDS)) for h in report.heads]
+
+
+def _stance():
+    return torch._dynamo.eval_frame._stance.stance
+
+
+def test_monitored_steps_stay_compiled_once_each_layer_was_seen_calling_sdpa():
+    """The first measured step runs compiled code eagerly (force_eager): the watcher has
+    not seen what the layers call. From the next one on, every layer having made plain
+    SDPA calls, the probe is traced into the graph (flashwatch/traced.py): GPT.forward
+    is compiled once per step kind with no graph break, the user's stance stays, and
+    every reported number is the eager model's."""
     model = _gpt()
-    w = fw.watch(model, every_n_steps=2)
+    eager = copy.deepcopy(model)
+    w = fw.watch(model, every_n_steps=2, rows_per_head="all")
+    w_eager = fw.watch(eager, every_n_steps=2, rows_per_head="all")
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
-    report = _step(compiled, w)  # step 0, monitored
-    assert counter.frame_count == 0 and all(math.isfinite(h.tied_rowmax_ratio)
-                                            for h in report.heads)
-    for seed in range(1, 6):  # unmonitored, monitored, ...
-        _step(compiled, w, seed=seed)
-    assert counter.frame_count == 1  # GPT.forward as one graph, compiled once
+    stances, reports = [], 0
+    for seed in range(7):  # monitored at 0, 2, 4, 6
+        stances.append(_stance())
+        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+        assert (got is None) == (want is None)
+        if got is not None:
+            reports += 1
+            for g, e in zip(_fields(got), _fields(want), strict=True):
+                assert g[:2] == e[:2]
+                assert all(math.isfinite(x) for x in g[2:-1])
+                assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
+        if seed == 0:
+            assert counter.frame_count == 0  # eager: nothing compiled
+    assert reports == 4
+    assert stances == ["force_eager"] + ["default"] * 6
+    assert counter.frame_count == 2  # unmonitored and monitored graph, each whole
+    assert w.monitor_errors_total == 0
     w.remove()
-    assert torch._dynamo.eval_frame._stance.stance == "default"
+    w_eager.remove()
+
+
+def test_a_traced_monitored_step_has_no_graph_break_and_fullgraph_holds():
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=1)
+    _step(model, w)  # measured eagerly: every layer seen calling SDPA
+    assert all(st.traced for st in w._states) and _stance() == "default"
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)  # raises on a break
+    report = _step(compiled, w, seed=1)
+    assert counter.frame_count == 1
+    assert all(math.isfinite(h.tied_rowmax_ratio) and math.isfinite(h.delta_error_sum)
+               for h in report.heads)
+    assert all(h.delta_error_rows > 0 for h in report.heads)
+    w.remove()
+
+
+def test_a_traced_monitored_step_runs_under_inductor_like_eager():
+    """The recipe users run: inductor. Tie ratio and max logit are those of the eager
+    model's sampled rows (the same rows: one generator, the same call order)."""
+    model = _gpt()
+    eager = copy.deepcopy(model)
+    w, w_eager = fw.watch(model, every_n_steps=2), fw.watch(eager, every_n_steps=2)
+    compiled = torch.compile(model)
+    for seed in range(3):
+        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+    assert _stance() == "default" and all(st.traced for st in w._states)
+    for g, e in zip(_measured(got), _measured(want), strict=True):  # step 2: traced
+        assert g[:2] == e[:2] and g[2:] == pytest.approx(e[2:], rel=0.02, abs=0.02)
+    assert all(math.isfinite(h.delta_error_sum) and h.delta_error_rows == 2 * 16  # B·T
+               for h in got.heads)
+    assert w.monitor_errors_total == 0
+    w.remove()
+    w_eager.remove()
 
 
 def test_a_measured_step_restores_the_users_own_stance():
     model = _gpt()
     torch.compiler.set_stance("eager_on_recompile")
-    try:
-        w = fw.watch(model, every_n_steps=2)
+    try:  # route_all: routed layers run eagerly, so measured steps use force_eager
+        w = fw.watch(model, every_n_steps=2, route_all=True)
         assert torch._dynamo.eval_frame._stance.stance == "force_eager"
         _step(model, w)  # step 1 is unmonitored: the user's stance again
         assert torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
@@ -197,6 +257,24 @@ def test_a_compiled_model_calling_flashwatch_attention_is_measured_and_mitigated
     w.remove()
 
 
+def test_a_compiled_layer_calling_flashwatch_attention_keeps_the_eager_path():
+    """Inside compiled code flashwatch.attention cannot reach the watcher (no ContextVar
+    lookup in a graph), so a layer seen calling it keeps measured steps on force_eager:
+    measured on every measured step, never silently skipped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnCallAttention())
+    w = fw.watch(model, every_n_steps=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    for seed in range(3):
+        assert _stance() == "force_eager"
+        compiled(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(seed))
+                 ).square().sum().backward()
+        report = w.step()
+        assert [h.delta_error_rows for h in report.heads] == [16, 16]
+    assert w._states[0].fw_seen and not w._states[0].traced
+    w.remove()
+
+
 def test_modes_on_a_layer_without_a_routable_call_are_reported_unmitigable():
     torch.manual_seed(0)
     model = nn.Sequential(ManualAttention())
@@ -214,13 +292,18 @@ def test_modes_on_a_layer_without_a_routable_call_are_reported_unmitigable():
     w.remove()
 
 
-def test_a_hugging_face_llama_traces_unmonitored_steps_without_a_graph_break():
-    transformers = pytest.importorskip("transformers")
+def _llama(transformers):
+    """A tiny rotary GQA Llama on SDPA."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         attn_implementation="sdpa"))
+
+
+def test_a_hugging_face_llama_traces_unmonitored_steps_without_a_graph_break():
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
     w = fw.watch(model, every_n_steps=2)
     w.step()  # step 1: unmonitored
     x = torch.randint(0, 64, (2, 16))
@@ -229,6 +312,67 @@ def test_a_hugging_face_llama_traces_unmonitored_steps_without_a_graph_break():
     w.remove()
     attn = model.model.layers[0].self_attn
     assert type(attn) is transformers.models.llama.modeling_llama.LlamaAttention
+
+
+def test_a_compiled_autocast_llama_is_measured_in_graph_like_eager():
+    """Rotary GQA Llama under autocast (SDPA gets FP32 q, k and a BF16 v): the traced probe
+    measures the BF16 tensors SDPA computes with, as the eager one, with fullgraph=True on
+    unmonitored and monitored steps."""
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
+    eager = copy.deepcopy(model)
+    w = fw.watch(model, every_n_steps=2, rows_per_head="all")
+    w_eager = fw.watch(eager, every_n_steps=2, rows_per_head="all")
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+
+    def step(m, watcher, seed):
+        x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(x, labels=x).loss.backward()
+        return watcher.step()
+
+    for seed in range(5):
+        got, want = step(compiled, w, seed), step(eager, w_eager, seed)
+    assert _stance() == "default" and counter.frame_count == 2
+    for g, e in zip(_fields(got), _fields(want), strict=True):  # step 4: traced
+        assert g[:2] == e[:2] and all(math.isfinite(x) for x in g[2:-1])
+        assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
+    assert w.monitor_errors_total == 0
+    w.remove()
+    w_eager.remove()
+
+
+@pytest.mark.parametrize("how", ["non_reentrant", "wrapper"])
+def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
+    """Activation checkpointing inside a compiled model: the traced probe runs once per
+    real forward (a recompute in the compiled backward counts nothing), so every report
+    is the plain eager model's."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    model = _gpt()
+    eager = copy.deepcopy(model)
+    if how == "wrapper":
+        model.transformer.h = nn.ModuleList(checkpoint_wrapper(b) for b in model.transformer.h)
+    else:
+        for block in model.transformer.h:
+            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
+                                              use_reentrant=False)
+    w = fw.watch(model, every_n_steps=1, rows_per_head=8)
+    w_eager = fw.watch(eager, every_n_steps=1, rows_per_head=8)
+    compiled = torch.compile(model, backend="aot_eager")
+    for seed in range(3):  # step 0 eager (force_eager), then traced
+        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+        for g, e in zip(_fields(got), _fields(want), strict=True):
+            assert g[:2] == e[:2] and g[-1] == e[-1] == 8  # rows with c: counted once
+            assert g[2:] == pytest.approx(e[2:], rel=1e-5, abs=1e-10)
+    assert all(st.traced for st in w._states) and _stance() == "default"
+    assert w.monitor_errors_total == 0
+    w.remove()
+    w_eager.remove()
 
 
 def test_a_deep_copy_of_a_watched_model_computes_with_its_own_weights():
@@ -261,9 +405,11 @@ def test_blocks_compiled_one_by_one_share_their_graphs():
     for block in model.transformer.h:
         block.compile(backend=counter)
     x, _ = _batch()
-    for _ in range(4):  # monitored, unmonitored, monitored, unmonitored
+    reports = []
+    for _ in range(6):  # monitored (eager), unmonitored, monitored (traced), ...
         model(x)[0].sum().backward()
-        w.step()
+        reports.append(w.step())
     assert counter.frame_count <= 3  # pre-attention graph + one per step kind
+    assert all(math.isfinite(h.tied_rowmax_ratio) for h in reports[4].heads)
     assert len({type(b.attn) for b in model.transformer.h}) == 1
     w.remove()

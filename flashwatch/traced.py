@@ -1,0 +1,161 @@
+"""The probe inside compiled code: monitored steps of a torch.compile'd model that stay
+compiled, instead of running the whole model eagerly (Dynamo's force_eager stance).
+
+On such a step a watched layer runs its forward inside its `Interceptor`, a
+TorchFunctionMode that Dynamo traces into the model's graph (no graph break). The mode
+  - keeps the Q projection's input X: the argument of the F.linear call on W^Q (what
+    the eager path's forward pre-hook on the Q projection receives);
+  - follows each F.scaled_dot_product_attention call by
+
+      torch.ops.flashwatch.probe(q, k, v, out, x, attn_mask, key, causal, scale) -> out'
+
+    an opaque op: when the compiled graph runs, it hands the call to the watcher's
+    probe (rows, FP32 recomputation, ties, sketch terms) and returns a copy of `out`
+    (a custom op may not return its input). Its backward,
+
+      torch.ops.flashwatch.probe_grad(grad, key) -> grad'
+
+    hands the output's gradient to the probe's gradient step (c[T] of the sampled rows)
+    and passes it on unchanged.
+`key` names the layer (`register`): a 0-dim int64 tensor, so a graph holds no reference
+to a watcher, and is an input of the graph, not a constant it specialises on.
+
+Used only for layers seen, on an earlier eager monitored step, to make plain SDPA calls
+and no flashwatch.attention call, with an nn.Linear (or no) Q projection and no head
+modes (flashwatch/watcher.py `_traceable`); any other layer keeps the watcher on the
+force_eager path (flashwatch/attach.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+# key -> (watcher, layer state), both weak: the ops only find them while they live.
+_SITES: dict[int, tuple] = {}
+_KEYS = itertools.count()
+
+SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+
+
+def register(watcher, st) -> int:
+    key = next(_KEYS)
+    _SITES[key] = (weakref.ref(watcher), weakref.ref(st))
+    return key
+
+
+def unregister(keys) -> None:
+    for key in keys:
+        _SITES.pop(key, None)
+
+
+def _lookup(key: int):
+    entry = _SITES.get(key)
+    if entry is None:
+        return None, None
+    return entry[0](), entry[1]()
+
+
+def sdpa_args(args, kwargs) -> dict:
+    """F.scaled_dot_product_attention's arguments by name (it takes fewer positionals)."""
+    a = dict(zip(SDPA_ARGS, args, strict=False))
+    a.update(kwargs)
+    return a
+
+
+def autocast_qkv(q, k, v):
+    """q, k, v in the dtype SDPA computes with under the active autocast (rotary models
+    hand it FP32 q, k and a BF16 v), else as given."""
+    if torch.is_autocast_enabled(q.device.type):
+        dt = torch.get_autocast_dtype(q.device.type)
+        return q.to(dt), k.to(dt), v.to(dt)
+    return q, k, v
+
+
+@torch.library.custom_op("flashwatch::probe", mutates_args=())
+def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+          x: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],  # noqa: UP045
+          key: torch.Tensor, causal: bool, scale: Optional[float]) -> torch.Tensor:  # noqa: UP045
+    w, st = _lookup(int(key))
+    if w is not None and st is not None:
+        w._traced_probe(st, q, k, v, out, x, attn_mask, causal, scale)
+    return out.clone()
+
+
+@probe.register_fake
+def _probe_fake(q, k, v, out, x, attn_mask, key, causal, scale):
+    return torch.empty_like(out)
+
+
+@torch.library.custom_op("flashwatch::probe_grad", mutates_args=())
+def probe_grad(grad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    w, st = _lookup(int(key))
+    if w is not None and st is not None:
+        w._traced_grad(st, grad)
+    return grad.clone()
+
+
+@probe_grad.register_fake
+def _probe_grad_fake(grad, key):
+    return torch.empty_like(grad)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[6])
+
+
+def _backward(ctx, grad):
+    (key,) = ctx.saved_tensors
+    return None, None, None, probe_grad(grad, key), None, None, None, None, None
+
+
+probe.register_autograd(_backward, setup_context=_setup_context)
+
+
+class Interceptor(TorchFunctionMode):
+    """One watched layer's forward on a compiled monitored step (see the module doc).
+    Built inside the traced forward from what the graph takes as inputs (the layer's
+    key tensor, the module's own W^Q), so blocks compiled one by one share one graph."""
+
+    def __init__(self, key: torch.Tensor, wq):
+        super().__init__()
+        self.key, self.wq, self.x = key, wq, None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = func(*args, **kwargs)
+            a = sdpa_args(args, kwargs)
+            q, k, v = autocast_qkv(a["query"], a["key"], a["value"])
+            return probe(q, k, v, out, self.x, a.get("attn_mask"), self.key,
+                         bool(a.get("is_causal", False)), a.get("scale"))
+        if func is F.linear and self.wq is not None and len(args) > 1 and args[1] is self.wq:
+            self.x = args[0]
+        return func(*args, **kwargs)
+
+
+def q_path(module: nn.Module, q_module) -> str | None:
+    """Where an nn.Linear Q projection sits inside the attention module ("" = itself),
+    None if it is not an nn.Linear or not inside it."""
+    if not isinstance(q_module, nn.Linear):
+        return None
+    return next((name for name, m in module.named_modules() if m is q_module), None)
+
+
+def run(st, module, original, args, kwargs):
+    """The watched forward of a compiled monitored step, traced by Dynamo."""
+    wq = None
+    if st.q_path is not None:
+        q = module
+        for part in st.q_path.split(".") if st.q_path else ():
+            q = getattr(q, part)
+        wq = q.weight
+    with Interceptor(st.key_t, wq):
+        return original(module, *args, **kwargs)
