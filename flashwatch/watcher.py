@@ -250,6 +250,7 @@ class Watcher:
                 if event.to_mode != Mode.STANDARD:
                     st.pending.append(event)  # applied once a report sees it run
         self._set_modes(st, new)
+        self._stance()  # a routed layer runs eagerly (flashwatch/attach.py)
         if changed.any():  # judge the new mode on what comes after it only
             self._signals.reset_window(changed)
             self._policy.restart(changed)
@@ -321,10 +322,10 @@ class Watcher:
                         "run's; decisions may differ from the uninterrupted run")
         self._step = int(sd["step"])
         self._monitoring = bool(sd["monitoring"])
-        self._arm()
         for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
             self._set_modes(st, modes.clone().to(torch.int32))
             st.power_v = None if v is None else v.clone()
+        self._arm()
         self._clear_step()
         self._gen.set_state(sd["rng"])
         self._signals.load_state_dict(sd["signals"])
@@ -386,8 +387,6 @@ class Watcher:
     def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
         st.modes = modes
         st.routed = self.config.route_all or bool(modes.any())
-        if hasattr(self, "_attachment"):  # a routed layer runs eagerly (attach.py)
-            self._stance()
 
     def _wq_grad_hook(self, st: _SiteState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the

@@ -125,6 +125,24 @@ def test_a_traced_monitored_step_has_no_graph_break_and_fullgraph_holds():
     w.remove()
 
 
+def test_modes_set_on_a_traced_model_take_it_back_to_the_eager_path():
+    """A routed layer runs eagerly (its kernel needs the watcher's Python), so head modes
+    set once the probe was traced put measured steps back on force_eager at once, and
+    the modes run (the report says so, nothing unmitigable)."""
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    _step(compiled, w)
+    assert _stance() == "default"  # layers seen: traced from here
+    w.set_head_modes("transformer.h.0.attn", [Mode.FP32_O, Mode.STANDARD])
+    assert _stance() == "force_eager" and not w._states[0].traced
+    report = _step(compiled, w, seed=1)
+    assert report.unmitigable == {} and w.monitor_errors_total == 0
+    assert [h.head_mode for h in report.heads[:2]] == [Mode.FP32_O, Mode.STANDARD]
+    assert report.heads[0].delta_error_rows == 2 * 16  # the kernel's own rows: all of them
+    w.remove()
+
+
 def test_a_traced_monitored_step_runs_under_inductor_like_eager():
     """The recipe users run: inductor. Tie ratio and max logit are those of the eager
     model's sampled rows (the same rows: one generator, the same call order)."""
