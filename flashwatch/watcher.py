@@ -539,6 +539,11 @@ class Watcher:
             return  # a checkpoint's recompute inside the compiled backward: counted
         t0 = time.perf_counter()
         try:
+            if x is None and st.q_path is not None:
+                self._warn_once(st, "traced x", f"flashwatch: {st.site.name}: inside compiled "
+                                f"code no F.linear call on the Q projection's weight came "
+                                f"before SDPA; using q-space sketch terms and no "
+                                f"delta_error_share there")
             st.x = x
             got = self._probe(st, q, k, v, out, causal, scale, mask, False)
             if got is not None:

@@ -257,6 +257,47 @@ class ManualAttention(OwnCallAttention):
         return (p @ v).transpose(1, 2).reshape(B, T, C)
 
 
+class MatmulLinear(nn.Linear):
+    """A Q projection whose forward is no F.linear call (its pre-hook still fires)."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class SdpaAttention(OwnCallAttention):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = MatmulLinear(32, 96)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, C)
+
+
+def test_a_traced_layer_whose_q_input_is_not_seen_says_so(caplog):
+    """The traced probe takes X from the F.linear call on W^Q; a Q projection computed
+    otherwise leaves it without X: logged, and the share is NaN, not a guess."""
+    torch.manual_seed(0)
+    model = nn.Sequential(SdpaAttention())
+    w = fw.watch(model, every_n_steps=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8, 32)
+    compiled(x).square().sum().backward()
+    eager_report = w.step()  # eager: X from the pre-hook
+    assert math.isfinite(eager_report.heads[0].delta_error_share)
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        compiled(x).square().sum().backward()
+        report = w.step()
+    assert _stance() == "default" and w._states[0].traced
+    assert "no F.linear call on the Q projection" in caplog.text
+    assert all(math.isnan(h.delta_error_share) and math.isfinite(h.delta_error_sum)
+               for h in report.heads)
+    w.remove()
+
+
 def test_a_compiled_model_calling_flashwatch_attention_is_measured_and_mitigated():
     torch.manual_seed(0)
     model = nn.Sequential(OwnCallAttention())
