@@ -1,6 +1,6 @@
 """flashwatch/distributed.py: W^Q spectral norms of sharded weights, on 2 gloo ranks:
 a DTensor q_proj whose shard boundary splits a head, FSDP2 `fully_shard` with the
-watcher attached before or after sharding, and DDP."""
+watcher attached before or after sharding, and DDP; DDP and FSDP2 under torch.compile."""
 
 from __future__ import annotations
 
@@ -264,6 +264,76 @@ def test_sampled_sums_do_not_change_with_the_world_size(tmp_path):
     for key, h in alone.items():
         assert abs(h.delta_error_sum) > 0
         assert got[key].delta_error_sum == pytest.approx(h.delta_error_sum / 2, rel=1e-6), key
+
+
+# ------------------------------------------------------- DDP and torch.compile
+
+
+def _compile_worker(rank, world, init_file, out_dir):
+    """DDP around a model, eager and torch.compile'd (aot_eager); FSDP2 per block,
+    eager and with each block compiled (regional compilation, FSDP2's usual recipe);
+    the same data: the compiled ones' monitored steps are traced (flashwatch/traced.py)
+    after the first."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for kind in ("eager", "compiled", "fsdp2", "fsdp2 compiled"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL))
+        if kind.startswith("fsdp2"):
+            for block in model.transformer.h:
+                fully_shard(block, mesh=mesh)
+                if kind == "fsdp2 compiled":
+                    block.compile(backend="aot_eager")
+            fully_shard(model, mesh=mesh)
+        else:
+            model = DDP(model)
+        w = fw.watch(model, every_n_steps=2, rows_per_head=8)
+        run = torch.compile(model, backend="aot_eager") if kind == "compiled" else model
+        reports, stances = [], []
+        for i in range(5):
+            stances.append(torch._dynamo.eval_frame._stance.stance)
+            x, y = _batch(100 * i + rank)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = run(x, y)
+            loss.backward()
+            reports.append(w.step())
+        out[kind] = ([r.to_dict()["heads"] for r in reports if r is not None], stances,
+                     w.monitor_errors_total, [st.traced for st in w._states])
+        w.remove()
+        del model, run, w
+    torch.save(out, os.path.join(out_dir, f"compile{rank}.pt"))
+    torch._dynamo.reset()
+    _close(dist)
+
+
+def test_compiled_monitored_steps_are_traced_and_equal_eager_on_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_compile_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    ranks = [torch.load(tmp_path / f"compile{r}.pt", weights_only=False) for r in (0, 1)]
+    for kinds in (("eager", "compiled"), ("fsdp2", "fsdp2 compiled")):
+        for r in ranks:
+            eager, compiled = r[kinds[0]], r[kinds[1]]
+            assert compiled[1] == ["force_eager"] + ["default"] * 4  # traced from step 2
+            assert compiled[3] == [True, True] and compiled[2] == eager[2] == 0
+            assert len(compiled[0]) == len(eager[0]) == 3
+            for got, want in zip(compiled[0], eager[0], strict=True):
+                for g, e in zip(got, want, strict=True):
+                    assert (g["layer"], g["head"]) == (e["layer"], e["head"])
+                    for key in ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
+                                "wq_spectral_norm", "delta_error_share"):
+                        assert g[key] is not None, (kinds, key)  # measured, not NaN
+                        assert g[key] == pytest.approx(e[key], rel=1e-5, abs=1e-12), key
+        assert ranks[0][kinds[1]][0] == ranks[1][kinds[1]][0]  # one report on every rank
 
 
 @pytest.mark.parametrize("batch_bytes", [None, 1])
