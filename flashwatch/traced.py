@@ -7,16 +7,18 @@ TorchFunctionMode that Dynamo traces into the model's graph (no graph break). Th
     the eager path's forward pre-hook on the Q projection receives);
   - follows each F.scaled_dot_product_attention call by
 
-      torch.ops.flashwatch.probe(q, k, v, out, x, attn_mask, key, causal, scale) -> out'
+      torch.ops.flashwatch.probe(q, k, v, out, x, attn_mask, key, causal, scale)
+          -> (out', call)
 
     an opaque op: when the compiled graph runs, it hands the call to the watcher's
     probe (rows, FP32 recomputation, ties, sketch terms) and returns a copy of `out`
-    (a custom op may not return its input). Its backward,
+    (a custom op may not return its input) and the call's id. Its backward,
 
-      torch.ops.flashwatch.probe_grad(grad, key) -> grad'
+      torch.ops.flashwatch.probe_grad(grad, key, call) -> grad'
 
-    hands the output's gradient to the probe's gradient step (c[T] of the sampled rows)
-    and passes it on unchanged.
+    hands the output's gradient to that call's sample (c[T] of the sampled rows) and
+    passes it on unchanged. Both are tagged cudagraph_unsafe: a CUDA graph replay
+    would not run their Python.
 `key` names the layer (`register`): a 0-dim int64 tensor, so a graph holds no reference
 to a watcher, and is an input of the graph, not a constant it specialises on.
 
@@ -79,41 +81,50 @@ def autocast_qkv(q, k, v):
     return q, k, v
 
 
-@torch.library.custom_op("flashwatch::probe", mutates_args=())
+# The ops run Python when the graph executes: a CUDA graph replay would skip them.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("flashwatch::probe", mutates_args=(), tags=_TAGS)
 def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
           x: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],  # noqa: UP045
-          key: torch.Tensor, causal: bool, scale: Optional[float]) -> torch.Tensor:  # noqa: UP045
+          key: torch.Tensor, causal: bool, scale: Optional[float]  # noqa: UP045
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (a copy of out, the call's id: 0-dim int64, -1 if not probed), the id
+    saved for the backward so that its gradient reaches this call's sample, whatever
+    other forwards ran in between."""
     w, st = _lookup(int(key))
+    call = -1
     if w is not None and st is not None:
-        w._traced_probe(st, q, k, v, out, x, attn_mask, causal, scale)
-    return out.clone()
+        call = w._traced_probe(st, q, k, v, out, x, attn_mask, causal, scale)
+    return out.clone(), torch.tensor(call, dtype=torch.int64)
 
 
 @probe.register_fake
 def _probe_fake(q, k, v, out, x, attn_mask, key, causal, scale):
-    return torch.empty_like(out)
+    return torch.empty_like(out), torch.empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("flashwatch::probe_grad", mutates_args=())
-def probe_grad(grad: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("flashwatch::probe_grad", mutates_args=(), tags=_TAGS)
+def probe_grad(grad: torch.Tensor, key: torch.Tensor, call: torch.Tensor) -> torch.Tensor:
     w, st = _lookup(int(key))
     if w is not None and st is not None:
-        w._traced_grad(st, grad)
+        w._traced_grad(st, int(call), grad)
     return grad.clone()
 
 
 @probe_grad.register_fake
-def _probe_grad_fake(grad, key):
+def _probe_grad_fake(grad, key, call):
     return torch.empty_like(grad)
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[6])
+    ctx.save_for_backward(inputs[6], output[1])
 
 
-def _backward(ctx, grad):
-    (key,) = ctx.saved_tensors
-    return None, None, None, probe_grad(grad, key), None, None, None, None, None
+def _backward(ctx, grad, _grad_call):
+    key, call = ctx.saved_tensors
+    return None, None, None, probe_grad(grad, key, call), None, None, None, None, None
 
 
 probe.register_autograd(_backward, setup_context=_setup_context)
@@ -135,7 +146,7 @@ class Interceptor(TorchFunctionMode):
             a = sdpa_args(args, kwargs)
             q, k, v = autocast_qkv(a["query"], a["key"], a["value"])
             return probe(q, k, v, out, self.x, a.get("attn_mask"), self.key,
-                         bool(a.get("is_causal", False)), a.get("scale"))
+                         bool(a.get("is_causal", False)), a.get("scale"))[0]
         if func is F.linear and self.wq is not None and len(args) > 1 and args[1] is self.wq:
             self.x = args[0]
         return func(*args, **kwargs)

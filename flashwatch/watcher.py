@@ -112,7 +112,8 @@ class _SiteState:
     sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
     fw_seen: bool = False  # made a flashwatch.attention call while measured
     traced: bool = False
-    traced_pending: list = field(default_factory=list)  # (sample, None, rows) by call
+    # (sample, None, rows) of the step's traced calls by call id, until their gradient
+    traced_pending: dict = field(default_factory=dict)
 
     def reset(self) -> None:
         H = self.site.num_heads
@@ -124,7 +125,7 @@ class _SiteState:
         self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
         self.sampled = False
         self.no_grad_samples = []
-        self.traced_pending = []
+        self.traced_pending = {}
 
 
 class Watcher:
@@ -179,6 +180,7 @@ class Watcher:
         # samples got their c since
         self._totals: dict | None = None
         self._samples_done = 0
+        self._traced_calls = 0  # ids of the probed calls inside compiled code
         self._removed = False
         self._attachment = Attachment(self)
         for st in self._states:
@@ -536,8 +538,9 @@ class Watcher:
         the eager probe on the call, X handed in by the layer's Interceptor; the
         gradient arrives through torch.ops.flashwatch.probe_grad (`_traced_grad`)."""
         if not self._measuring or self._removed or recomputing():
-            return  # a checkpoint's recompute inside the compiled backward: counted
+            return -1  # a checkpoint's recompute inside the compiled backward: counted
         t0 = time.perf_counter()
+        call = -1
         try:
             if x is None and st.q_path is not None:
                 self._warn_once(st, "traced x", f"flashwatch: {st.site.name}: inside compiled "
@@ -547,18 +550,21 @@ class Watcher:
             st.x = x
             got = self._probe(st, q, k, v, out, causal, scale, mask, False)
             if got is not None:
-                st.traced_pending.append(got)
+                call = self._traced_calls = self._traced_calls + 1
+                st.traced_pending[call] = got
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
         finally:
             st.x = None
         self._monitor_seconds += time.perf_counter() - t0
+        return call
 
-    def _traced_grad(self, st, grad) -> None:
-        """torch.ops.flashwatch.probe_grad: the gradient of the layer's last probed call
-        still waiting for one (backward runs the calls in reverse order)."""
-        if st.traced_pending and not self._removed:
-            self._grad_hook(st, *st.traced_pending.pop())(grad)
+    def _traced_grad(self, st, call: int, grad) -> None:
+        """torch.ops.flashwatch.probe_grad: the gradient of probed call `call` (each
+        further backward through it, retain_graph, counts as in eager)."""
+        got = st.traced_pending.get(call)
+        if got is not None and not self._removed:
+            self._grad_hook(st, *got)(grad)
 
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed):
         """Sample rows of the call, recompute them in FP32, keep their Sample; returns

@@ -143,6 +143,35 @@ def test_modes_set_on_a_traced_model_take_it_back_to_the_eager_path():
     w.remove()
 
 
+def test_a_traced_gradient_reaches_its_own_forwards_sample():
+    """Two forwards, one backward (a second forward whose output is dropped, e.g. a
+    metric computed with grad on): the gradient belongs to the first call's rows. The
+    ops carry a call id from forward to backward, so the traced probe pairs them as
+    eager autograd hooks do."""
+    model = _gpt()
+    eager = copy.deepcopy(model)
+    w, w_eager = (fw.watch(m, every_n_steps=1, rows_per_head=8) for m in (model, eager))
+    compiled = torch.compile(model, backend="aot_eager")
+    runs = ((compiled, w), (eager, w_eager))
+    for m, watcher in runs:  # both learn (the stance is process-wide)
+        _step(m, watcher)
+    assert _stance() == "default"  # the compiled model's probe is traced from here on
+    reports = []
+    for m, watcher in runs:
+        x, y = _batch(seed=1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x, y)[1]
+            m(*_batch(seed=2))  # a second forward, never backpropagated
+        loss.backward()
+        reports.append(watcher.step())
+    assert len(w._states[0].traced_pending) == 0  # cleared by the report
+    for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
+        assert g[:2] == e[:2] and g[-1] == e[-1] == 8
+        assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
+    w.remove()
+    w_eager.remove()
+
+
 def test_a_traced_monitored_step_runs_under_inductor_like_eager():
     """The recipe users run: inductor. Tie ratio and max logit are those of the eager
     model's sampled rows (the same rows: one generator, the same call order)."""

@@ -24,14 +24,14 @@ def test_the_ops_pass_schema_fake_and_autograd_checks():
     out = torch.randn(2, 2, 8, 4, requires_grad=True)
     key = torch.tensor(10**9)  # registered to no watcher: the ops only copy
     torch.library.opcheck(traced.probe, (q, k, v, out, None, None, key, True, None))
-    torch.library.opcheck(traced.probe_grad, (torch.randn(2, 2, 8, 4), key))
+    torch.library.opcheck(traced.probe_grad, (torch.randn(2, 2, 8, 4), key, torch.tensor(-1)))
 
 
 def test_an_unknown_key_copies_and_passes_the_gradient_through():
     q, k, v = _qkv()
     out = torch.randn(2, 2, 8, 4, requires_grad=True)
-    got = traced.probe(q, k, v, out, None, None, torch.tensor(10**9), True, None)
-    assert torch.equal(got, out) and got.data_ptr() != out.data_ptr()
+    got, call = traced.probe(q, k, v, out, None, None, torch.tensor(10**9), True, None)
+    assert torch.equal(got, out) and got.data_ptr() != out.data_ptr() and int(call) == -1
     g = torch.randn_like(out)
     got.backward(g)
     assert torch.equal(out.grad, g)
@@ -90,7 +90,7 @@ def test_autocast_qkv_gives_what_sdpa_computes_with():
 def test_the_interceptor_keeps_x_of_the_q_weight_and_probes_each_sdpa_call(monkeypatch):
     seen = []
     monkeypatch.setattr(traced, "probe", lambda q, k, v, out, x, mask, key, causal, scale:
-                        seen.append((x, mask, int(key), causal, scale)) or out)
+                        seen.append((x, mask, int(key), causal, scale)) or (out, None))
     lin, other = nn.Linear(4, 4), nn.Linear(4, 4)
     x = torch.randn(2, 8, 4)
     q, k, v = _qkv()
@@ -107,7 +107,8 @@ def test_the_interceptor_keeps_x_of_the_q_weight_and_probes_each_sdpa_call(monke
 @pytest.mark.parametrize("wq", [None, "other"])
 def test_the_interceptor_without_a_matching_q_weight_hands_no_x(monkeypatch, wq):
     seen = []
-    monkeypatch.setattr(traced, "probe", lambda q, k, v, out, x, *rest: seen.append(x) or out)
+    monkeypatch.setattr(traced, "probe",
+                        lambda q, k, v, out, x, *rest: seen.append(x) or (out, None))
     lin = nn.Linear(4, 4)
     q, k, v = _qkv()
     with traced.Interceptor(torch.tensor(0), None if wq is None else nn.Linear(4, 4).weight):
