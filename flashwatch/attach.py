@@ -260,6 +260,9 @@ class Attachment:
         w = self.watcher
 
         def hook(module, args):
+            if torch.compiler.is_compiling():
+                return  # traced into a graph, X comes from flashwatch/traced.py's mode; an
+                # assignment here would be replayed after the graph and outlive the step
             if w._measuring and not w._removed and args:
                 st.x = args[0]  # a reference only; rows are taken at the attention call
                 if getattr(module, "weight", None) is not st.wq_hooked:

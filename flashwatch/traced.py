@@ -81,11 +81,21 @@ def autocast_qkv(q, k, v):
     return q, k, v
 
 
-# The ops run Python when the graph executes: a CUDA graph replay would skip them.
-_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+# Dynamo traces a TorchFunctionMode entered inside compiled code in recent torch only;
+# checked with 2.13 (tests/test_compile.py). Older: the force_eager path, as before.
+SUPPORTED = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 
-@torch.library.custom_op("flashwatch::probe", mutates_args=(), tags=_TAGS)
+def _custom_op(name):
+    """torch.library.custom_op, tagged cudagraph_unsafe where torch has the tag: the ops
+    run Python when the graph executes, which a CUDA graph replay would skip."""
+    tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    if tag is None:
+        return torch.library.custom_op(name, mutates_args=())
+    return torch.library.custom_op(name, mutates_args=(), tags=(tag,))
+
+
+@_custom_op("flashwatch::probe")
 def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
           x: Optional[torch.Tensor], attn_mask: Optional[torch.Tensor],  # noqa: UP045
           key: torch.Tensor, causal: bool, scale: Optional[float]  # noqa: UP045
@@ -105,7 +115,7 @@ def _probe_fake(q, k, v, out, x, attn_mask, key, causal, scale):
     return torch.empty_like(out), torch.empty((), dtype=torch.int64)
 
 
-@torch.library.custom_op("flashwatch::probe_grad", mutates_args=(), tags=_TAGS)
+@_custom_op("flashwatch::probe_grad")
 def probe_grad(grad: torch.Tensor, key: torch.Tensor, call: torch.Tensor) -> torch.Tensor:
     w, st = _lookup(int(key))
     if w is not None and st is not None:

@@ -23,6 +23,7 @@ Failures inside flashwatch are logged once, counted and never raised into traini
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -110,6 +111,7 @@ class _SiteState:
     key_t: torch.Tensor | None = None  # key as a 0-dim int64 tensor, for the ops
     q_path: str | None = None  # the nn.Linear Q projection inside the module (traced.q_path)
     sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
+    checkpointed: bool = False  # its forward was recomputed (activation checkpointing)
     fw_seen: bool = False  # made a flashwatch.attention call while measured
     traced: bool = False
     # (sample, None, rows) of the step's traced calls by call id, until their gradient
@@ -126,6 +128,7 @@ class _SiteState:
         self.sampled = False
         self.no_grad_samples = []
         self.traced_pending = {}
+        self.x = None
 
 
 class Watcher:
@@ -180,7 +183,7 @@ class Watcher:
         # samples got their c since
         self._totals: dict | None = None
         self._samples_done = 0
-        self._traced_calls = 0  # ids of the probed calls inside compiled code
+        self._traced_ids = itertools.count()  # ids of the probed calls in compiled code
         self._removed = False
         self._attachment = Attachment(self)
         for st in self._states:
@@ -380,10 +383,13 @@ class Watcher:
 
     @staticmethod
     def _traceable(st: _SiteState) -> bool:
-        """Seen measured (eagerly) making SDPA calls only, no head modes, and X from an
-        nn.Linear Q projection inside the module, or none: what the traced probe measures
-        like the eager one."""
-        return (st.sdpa_seen and not st.fw_seen and not st.routed and not st.shadowed
+        """Seen measured (eagerly) making SDPA calls only, no head modes, never recomputed
+        by activation checkpointing (Dynamo cannot enter the mode inside a checkpoint
+        region: the graph break would cost the layer loop's frame its graph for good),
+        and X from an nn.Linear Q projection inside the module, or none: what the traced
+        probe measures like the eager one."""
+        return (traced.SUPPORTED and st.sdpa_seen and not st.fw_seen and not st.checkpointed
+                and not st.routed and not st.shadowed
                 and (st.site.q_module is None or st.q_path is not None))
 
     def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
@@ -520,9 +526,10 @@ class Watcher:
         t0 = time.perf_counter()
         try:
             if recomputing():
+                st.checkpointed = True  # keeps the eager path (traced.py cannot trace it)
                 self._hook_recompute(st, out)
             else:
-                got = self._probe(st, q, k, v, out, causal, scale, mask, routed)
+                got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.x)
                 if got is None:
                     pass
                 elif out.requires_grad:  # the hook goes on the tensor autograd sees
@@ -547,26 +554,30 @@ class Watcher:
                                 f"code no F.linear call on the Q projection's weight came "
                                 f"before SDPA; using q-space sketch terms and no "
                                 f"delta_error_share there")
-            st.x = x
-            got = self._probe(st, q, k, v, out, causal, scale, mask, False)
+            got = self._probe(st, q, k, v, out, causal, scale, mask, False, x)
             if got is not None:
-                call = self._traced_calls = self._traced_calls + 1
+                call = next(self._traced_ids)
                 st.traced_pending[call] = got
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
-        finally:
-            st.x = None
         self._monitor_seconds += time.perf_counter() - t0
         return call
 
     def _traced_grad(self, st, call: int, grad) -> None:
         """torch.ops.flashwatch.probe_grad: the gradient of probed call `call` (each
         further backward through it, retain_graph, counts as in eager)."""
+        if self._removed:
+            return
         got = st.traced_pending.get(call)
-        if got is not None and not self._removed:
+        if got is not None:
             self._grad_hook(st, *got)(grad)
+        else:  # its sample was reduced (a further backward, retain_graph) or never made
+            self._warn_once(st, "traced grad", f"flashwatch: {st.site.name}: a gradient "
+                            f"inside compiled code found no probed call to pair with (a "
+                            f"further backward through a reduced call, or a backward "
+                            f"after step()); its δ error is not measured")
 
-    def _probe(self, st, q, k, v, out, causal, scale, mask, routed):
+    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x):
         """Sample rows of the call, recompute them in FP32, keep their Sample; returns
         (sample, every_row, rows of the call) for the gradient step, None if not probed."""
         cfg = self.config
@@ -603,7 +614,6 @@ class Watcher:
             # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
             # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
             share_w = None
-            x = st.x
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
                 xr = x.detach()[b, t].float()
@@ -712,6 +722,9 @@ class Watcher:
         self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim, acc)
         for st in self._states:
             st.samples = [s for s in st.samples if s.c is None]
+            # reduced: only a further backward (retain_graph) would look for it again
+            st.traced_pending = {i: got for i, got in st.traced_pending.items()
+                                 if got[0].c is None}
 
     # ------------------------------------------------------------------------- step
 

@@ -88,11 +88,23 @@ def test_monitored_steps_stay_compiled_once_each_layer_was_seen_calling_sdpa():
     w = fw.watch(model, every_n_steps=2, rows_per_head="all")
     w_eager = fw.watch(eager, every_n_steps=2, rows_per_head="all")
     counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter)
-    stances, reports = [], 0
+    runs = []
+
+    def backend(gm, inputs):  # CompileCounter's count, and the graph's runs
+        counter(gm, inputs)
+
+        def run(*args):
+            runs.append(1)
+            return gm.forward(*args)
+        return run
+
+    compiled = torch.compile(model, backend=backend)
+    stances, reports, graph_runs = [], 0, []
     for seed in range(7):  # monitored at 0, 2, 4, 6
         stances.append(_stance())
+        before = len(runs)
         got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+        graph_runs.append(len(runs) - before)
         assert (got is None) == (want is None)
         if got is not None:
             reports += 1
@@ -105,6 +117,7 @@ def test_monitored_steps_stay_compiled_once_each_layer_was_seen_calling_sdpa():
     assert reports == 4
     assert stances == ["force_eager"] + ["default"] * 6
     assert counter.frame_count == 2  # unmonitored and monitored graph, each whole
+    assert graph_runs == [0] + [1] * 6  # and each step after the first runs one
     assert w.monitor_errors_total == 0
     w.remove()
     w_eager.remove()
@@ -170,6 +183,53 @@ def test_a_traced_gradient_reaches_its_own_forwards_sample():
         assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
     w.remove()
     w_eager.remove()
+
+
+def test_a_traced_step_holds_its_samples_one_micro_batch_and_x_not_at_all():
+    """Gradient accumulation (4 micro-batches) on a traced monitored step: each
+    micro-batch's samples are reduced and let go once its gradients arrived, no layer
+    keeps the Q projection's input X, and the report is the eager model's."""
+    model = _gpt()
+    eager = copy.deepcopy(model)
+    w, w_eager = (fw.watch(m, every_n_steps=1, rows_per_head=8) for m in (model, eager))
+    compiled = torch.compile(model, backend="aot_eager")
+    runs = ((compiled, w), (eager, w_eager))
+    for m, watcher in runs:
+        _step(m, watcher)  # both learn; traced from here on
+    reports = []
+    for m, watcher in runs:
+        for seed in range(4):
+            x, y = _batch(seed=10 + seed)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(x, y)[1].backward()
+            assert [len(st.traced_pending) for st in watcher._states] == [0, 0]
+            assert [len(st.samples) for st in watcher._states] == [0, 0]  # reduced
+            assert all(st.x is None for st in watcher._states)
+        reports.append(watcher.step())
+    assert all(st.traced for st in w._states) and _stance() == "default"
+    for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
+        assert g[:2] == e[:2] and g[-1] == e[-1] == 4 * 8
+        assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
+    w.remove()
+    w_eager.remove()
+
+
+def test_a_traced_gradient_without_its_call_is_said(caplog):
+    """A backward after step() (the call's sample went with the report): logged, not
+    paired with something else."""
+    model = _gpt()
+    w = fw.watch(model, every_n_steps=1)
+    compiled = torch.compile(model, backend="aot_eager")
+    _step(compiled, w)
+    x, y = _batch(seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(x, y)[1]
+    w.step()
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        loss.backward()
+    assert "found no probed call to pair with" in caplog.text
+    assert all(st.samples == [] and st.grad_rows == 0 for st in w._states)
+    w.remove()
 
 
 def test_a_traced_monitored_step_runs_under_inductor_like_eager():
@@ -433,9 +493,11 @@ def test_a_compiled_autocast_llama_is_measured_in_graph_like_eager():
 
 @pytest.mark.parametrize("how", ["non_reentrant", "wrapper"])
 def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
-    """Activation checkpointing inside a compiled model: the traced probe runs once per
-    real forward (a recompute in the compiled backward counts nothing), so every report
-    is the plain eager model's."""
+    """Activation checkpointing inside a compiled model: every report is the plain eager
+    model's, and the compiled graph keeps running on unmonitored steps. A checkpointed
+    layer keeps the force_eager path on monitored steps: entering the traced probe's
+    mode inside a checkpoint region is a graph break in the layer loop, after which
+    Dynamo would run that frame eagerly on every step."""
     import functools
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -449,15 +511,30 @@ def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
         for block in model.transformer.h:
             block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
                                               use_reentrant=False)
-    w = fw.watch(model, every_n_steps=1, rows_per_head=8)
-    w_eager = fw.watch(eager, every_n_steps=1, rows_per_head=8)
-    compiled = torch.compile(model, backend="aot_eager")
-    for seed in range(3):  # step 0 eager (force_eager), then traced
+    w = fw.watch(model, every_n_steps=2, rows_per_head=8)
+    w_eager = fw.watch(eager, every_n_steps=2, rows_per_head=8)
+    calls = []
+
+    def backend(gm, inputs):  # counts runs of the compiled graph
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    compiled = torch.compile(model, backend=backend)
+    graph_runs = []
+    for seed in range(6):  # monitored at 0, 2, 4: eager (force_eager); 1, 3, 5 compiled
+        before = len(calls)
         got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+        graph_runs.append(len(calls) - before)
+        if got is None:
+            continue
         for g, e in zip(_fields(got), _fields(want), strict=True):
             assert g[:2] == e[:2] and g[-1] == e[-1] == 8  # rows with c: counted once
             assert g[2:] == pytest.approx(e[2:], rel=1e-5, abs=1e-10)
-    assert all(st.traced for st in w._states) and _stance() == "default"
+        assert _stance() == "default"  # the next step is unmonitored
+    assert graph_runs == [0, 1, 0, 1, 0, 1]  # the graph survives the monitored steps
+    assert all(st.checkpointed and not st.traced for st in w._states)
     assert w.monitor_errors_total == 0
     w.remove()
     w_eager.remove()
