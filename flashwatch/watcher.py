@@ -112,6 +112,7 @@ class _SiteState:
     q_path: str | None = None  # the nn.Linear Q projection inside the module (traced.q_path)
     sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
     checkpointed: bool = False  # its forward was recomputed (activation checkpointing)
+    dropout_seen: bool = False  # called SDPA with attention dropout while measured
     fw_seen: bool = False  # made a flashwatch.attention call while measured
     traced: bool = False
     # (sample, None, rows) of the step's traced calls by call id, until their gradient
@@ -389,7 +390,7 @@ class Watcher:
         and X from an nn.Linear Q projection inside the module, or none: what the traced
         probe measures like the eager one."""
         return (traced.SUPPORTED and st.sdpa_seen and not st.fw_seen and not st.checkpointed
-                and not st.routed and not st.shadowed
+                and not st.dropout_seen and not st.routed and not st.shadowed
                 and (st.site.q_module is None or st.q_path is not None))
 
     def _set_modes(self, st: _SiteState, modes: torch.Tensor) -> None:
@@ -452,7 +453,14 @@ class Watcher:
             out = func(*args, **kwargs)
         if self._measuring:
             st.sdpa_seen = True
-            self._safe_probe(st, q, k, v, out, causal, scale, mask, routed)
+            dropped = bool(dropout) and torch.is_grad_enabled() and not routed
+            if dropped:  # the kernel's O is dropped out; the FP32 recomputation is not
+                st.dropout_seen = True
+                self._warn_once(st, "dropout", f"flashwatch: {st.site.name} uses attention "
+                                f"dropout ({dropout}): its δ error is not measured (O_used "
+                                f"is dropped out, the FP32 recomputation is not); ties and "
+                                f"max logit still are")
+            self._safe_probe(st, q, k, v, out, causal, scale, mask, routed, grad=not dropped)
         return out
 
     def _make_fw_interceptor(self, st: _SiteState):
@@ -522,15 +530,17 @@ class Watcher:
                 st.stats.rows += stats.rows.cpu()
         return out
 
-    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed):
+    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True):
+        """The probe on an eager call; grad=False: its ties and max logit only."""
         t0 = time.perf_counter()
         try:
             if recomputing():
                 st.checkpointed = True  # keeps the eager path (traced.py cannot trace it)
-                self._hook_recompute(st, out)
+                if grad:
+                    self._hook_recompute(st, out)
             else:
                 got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.x)
-                if got is None:
+                if got is None or not grad:
                     pass
                 elif out.requires_grad:  # the hook goes on the tensor autograd sees
                     out.register_hook(self._grad_hook(st, *got))

@@ -1119,3 +1119,25 @@ def test_state_moves_between_the_plain_compiled_and_checkpoint_wrapped_model(mon
         assert w2.head_modes() == w.head_modes()
         assert [s.name for s in w2.sites] == ["transformer.h.0.attn", "transformer.h.1.attn"]
         w2.remove()
+
+
+def test_attention_dropout_leaves_delta_unmeasured_and_says_so(caplog):
+    """With dropout the O the backward used is dropped out and the FP32 recomputation is
+    not: c would be the dropout, not rounding. Ties and max logit (from the scores) are
+    still measured; δ is NaN with no gradient rows, and the log says why."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**SMALL, "dropout": 0.5}))
+    w = fw.watch(model, every_n_steps=1)
+    x, y = _batch(torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        model(x, y)[1].backward()
+        report = w.step()
+    assert "uses attention dropout" in caplog.text
+    assert all(math.isfinite(h.tied_rowmax_ratio) and math.isfinite(h.attention_max_logit)
+               and math.isnan(h.delta_error_sum) and h.delta_error_rows == 0
+               for h in report.heads)
+    assert w.monitor_errors_total == 0
+    model.eval()  # no dropout: measured
+    model(x, y)[1].backward()
+    assert all(math.isfinite(h.delta_error_sum) for h in w.step().heads)
+    w.remove()
