@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -78,9 +80,12 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     if exporter is not None:
         print(f"Prometheus metrics: http://127.0.0.1:{exporter.port}/metrics", file=stream)
     t_start = time.perf_counter()
+    stop = _StopOnSigint()
     try:
-        with open(out / "train.jsonl", "a", encoding="utf-8") as log:
+        with stop, open(out / "train.jsonl", "a", encoding="utf-8") as log:
             for step in range(steps):
+                if stop.requested:
+                    raise KeyboardInterrupt
                 t0 = time.perf_counter()
                 ix = torch.randint(len(data) - block - 1, (batch,), generator=gen)
                 x = torch.stack([data[i:i + block] for i in ix])
@@ -117,6 +122,32 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
         _finish(watcher, out, summary, time.perf_counter() - t_start)
     _print_next_steps(out, exporter, stream)
     return summary
+
+
+class _StopOnSigint:
+    """Ctrl-C ends the demo between two steps: the first SIGINT sets a flag the loop
+    reads, a second one interrupts at once. A KeyboardInterrupt raised wherever the
+    signal lands can be swallowed (a finalizer or weakref callback running at that
+    moment only prints "Exception ignored"), which left the demo running."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = None
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
 
 
 def _example_gpt():
