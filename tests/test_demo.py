@@ -95,7 +95,13 @@ def test_ctrl_c_leaves_a_complete_readable_run(tmp_path):
         else:
             pytest.fail("the demo made no progress in 240 s")
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=120)
+        try:
+            out, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired as e:
+            proc.kill()
+            tail = (e.output or b"")[-3000:]
+            pytest.fail(f"the demo did not stop within 120 s of SIGINT; its output ends:\n"
+                        f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}")
     finally:
         if proc.poll() is None:
             proc.kill()
