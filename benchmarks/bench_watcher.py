@@ -1,7 +1,8 @@
 """Watcher overhead on a tiny GPT training on CPU, and the watcher's state size.
 
 Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-steps 10000]
-                                         [--compile] [--every 10]
+                                         [--compile] [--compile-mode MODE] [--every 10]
+                                         [--device cpu|cuda] [--gpt2-small]
 
 1. Training step time, watched (every 10th step monitored, WatchConfig's default, or
    --every) vs not watched: three identical models (not watched, a second one not
@@ -10,8 +11,11 @@ Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-s
    per-step times.
 2. Within the watched run: median monitored step vs median unmonitored step, and the
    unmonitored-step ratio (median unmonitored watched / median not watched).
-   --compile: both models torch.compile'd (inductor), the watcher attached after
-   compiling; the first 25 steps (compilation of both graphs) are not timed.
+   --compile: both models torch.compile'd (inductor; --compile-mode e.g.
+   reduce-overhead), the watcher attached after compiling; the first 25 steps
+   (compilation of both graphs) are not timed. --device cuda (benchmarks/gpu_check.py)
+   synchronises around every timed step; --gpt2-small: 12 layers × 12 heads, d 768,
+   T 1024, B 8 (the paper's setting) instead of the tiny GPT.
 3. torch.save size of watcher.state_dict() after 100 and after --state-steps monitored
    steps (every_n_steps=1) of a one-layer model: it must not grow.
 """
@@ -33,9 +37,14 @@ import flashwatch as fw  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def train_step(model, opt, x, y) -> float:
     t0 = time.perf_counter()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
         _, loss = model(x, y)
     loss.backward()
     opt.step()
@@ -43,15 +52,18 @@ def train_step(model, opt, x, y) -> float:
     return time.perf_counter() - t0
 
 
-def overhead(steps: int, compiled: bool = False, every: int = 10) -> None:
-    cfg = GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128)
+def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = "cpu",
+             compile_mode: str | None = None, gpt2_small: bool = False) -> None:
+    cfg = (GPTConfig(block_size=1024, vocab_size=256, n_layer=12, n_head=12, n_embd=768)
+           if gpt2_small else
+           GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128))
     torch.manual_seed(0)
-    plain = GPT(cfg)
+    plain = GPT(cfg).to(device)
     control = copy.deepcopy(plain)  # a second unwatched model: the noise floor (A/A)
     watched = copy.deepcopy(plain)
     models = [plain, control, watched]
     if compiled:
-        models = [torch.compile(m) for m in models]
+        models = [torch.compile(m, mode=compile_mode) for m in models]
     w = fw.watch(watched, every_n_steps=every)  # rows_per_head=64 (default)
     warmup = 25 if compiled else 5
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
@@ -59,14 +71,16 @@ def overhead(steps: int, compiled: bool = False, every: int = 10) -> None:
     times = {0: [], 1: [], "mon": [], "unmon": []}
     for step in range(steps + warmup):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-        x, y = idx[:, :-1], idx[:, 1:]
+        x, y = idx[:, :-1].to(device), idx[:, 1:].to(device)
         monitored = step % every == 0
         # The three models in a rotating order: none always runs first (caches, turbo).
         for i in [(step + j) % 3 for j in range(3)]:
+            sync(device)
             t0 = time.perf_counter()
             train_step(models[i], opts[i], x, y)
             if i == 2:
                 w.step()
+            sync(device)
             dt = time.perf_counter() - t0
             if step >= warmup:
                 times[("mon" if monitored else "unmon") if i == 2 else i].append(dt)
@@ -74,8 +88,9 @@ def overhead(steps: int, compiled: bool = False, every: int = 10) -> None:
     t_watched = t_mon + t_unmon
     med = statistics.median
     print(f"GPT {cfg.n_layer}L {cfg.n_head}H d={cfg.n_embd} T={cfg.block_size} B=8, bf16 "
-          f"autocast, {torch.get_num_threads()} threads, {steps} steps each, every_n_steps="
-          f"{every}" + (", torch.compile (inductor)" if compiled else ", eager"))
+          f"autocast, {device}, {torch.get_num_threads()} threads, {steps} steps each, "
+          f"every_n_steps={every}" + (f", torch.compile (inductor, mode={compile_mode})"
+                                      if compiled else ", eager"))
     print("| measure | value |")
     print("|---|---|")
     print(f"| median step, not watched | {1e3 * med(t_plain):.1f} ms |")
@@ -120,11 +135,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--state-steps", type=int, default=10_000)
     ap.add_argument("--compile", action="store_true", help="torch.compile every model")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile's mode (with --compile)")
     ap.add_argument("--every", type=int, default=10, help="the watcher's every_n_steps")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--gpt2-small", action="store_true", help="12 layers, d 768, T 1024")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    overhead(args.steps, args.compile, args.every)
-    state_size(args.state_steps)
+    overhead(args.steps, args.compile, args.every, args.device, args.compile_mode,
+             args.gpt2_small)
+    if args.state_steps:
+        state_size(args.state_steps)
 
 
 if __name__ == "__main__":

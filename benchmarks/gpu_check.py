@@ -12,8 +12,13 @@
 3. Checks that changing head modes compiled no new kernel.
 4. Cost of the δ error on every row (benchmarks/bench_all_rows.py on CUDA, T=1024):
    monitored training steps, all rows vs sampled rows, Triton and SDPA.
-Writes OUT.json and OUT.md. Budget: ≤ 10 minutes on one H100/H200 (tests ≈ 2-3 min of
-compiles, tuning ≈ 1 min per shape, timing < 1 min, all-rows step timing ≤ 2 min).
+5. Watcher overhead on CUDA (benchmarks/bench_watcher.py --device cuda --gpt2-small):
+   eager, torch.compile'd (monitored steps traced into the graph after the first) and
+   compiled with mode="reduce-overhead" (CUDA graphs; the probe ops are cudagraph_unsafe).
+Writes OUT.json and OUT.md. Budget: ≤ 10 minutes on one H100/H200 for 1-4 (tests ≈ 2-3
+min of compiles, tuning ≈ 1 min per shape, timing < 1 min, all-rows step timing ≤ 2 min),
+plus ≤ 3 × --watcher-timeout (150 s) for 5, mostly compilation (unmeasured so far: pass
+--watcher-timeout 0 to skip it, or --skip-tests to make room).
 
 Targets (issue 3): fwd+bwd ≥ 0.9× SDPA flash with counters off; counters on ≤ 3% slower
 than off; all-BETA ≤ 5% slower; all-FP32_O ≤ 10% slower.
@@ -55,10 +60,9 @@ def run_tests(timeout_s: int) -> dict:
     return {"returncode": rc, "seconds": round(time.time() - t0, 1), "tail": tail}
 
 
-def run_all_rows(timeout_s: int) -> dict:
-    """benchmarks/bench_all_rows.py on CUDA; its markdown table as text."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_all_rows.py"), "--device", "cuda",
-           "--block", "1024", "--steps", "10"]
+def _run_script(args: list, timeout_s: int) -> dict:
+    """A benchmarks/ script on CUDA (compiled kernels); rc, seconds and its output's tail."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"),
@@ -67,6 +71,23 @@ def run_all_rows(timeout_s: int) -> dict:
     except subprocess.TimeoutExpired as e:
         tail, rc = f"timed out after {timeout_s}s\n{(e.stdout or '')[-2000:]}", -1
     return {"returncode": rc, "seconds": round(time.time() - t0, 1), "table": tail}
+
+
+def run_all_rows(timeout_s: int) -> dict:
+    """benchmarks/bench_all_rows.py on CUDA; its markdown table as text."""
+    return _run_script(["bench_all_rows.py", "--device", "cuda", "--block", "1024",
+                        "--steps", "10"], timeout_s)
+
+
+WATCHER_RUNS = {"eager": [], "compiled": ["--compile"],
+                "reduce_overhead": ["--compile", "--compile-mode", "reduce-overhead"]}
+
+
+def run_watcher(timeout_s: int) -> dict:
+    """benchmarks/bench_watcher.py on CUDA, GPT-2 Small, per WATCHER_RUNS; tables as text."""
+    return {name: _run_script(["bench_watcher.py", "--device", "cuda", "--gpt2-small",
+                               "--steps", "60", "--state-steps", "0", *extra], timeout_s)
+            for name, extra in WATCHER_RUNS.items()}
 
 
 def flops(b, h, n, d, causal=True):
@@ -201,6 +222,10 @@ def markdown(report: dict) -> str:
     md += ["## δ error on every row vs sampled rows (benchmarks/bench_all_rows.py)", "",
            f"rc={report['all_rows']['returncode']} in {report['all_rows']['seconds']} s",
            "", report["all_rows"]["table"].strip(), ""]
+    for name, r in report.get("watcher", {}).items():
+        md += [f"## Watcher overhead, {name} (benchmarks/bench_watcher.py --device cuda "
+               f"--gpt2-small)", "", f"rc={r['returncode']} in {r['seconds']} s", "",
+               r["table"].strip(), ""]
     md += ["## Test output (tail)", "", "```", report["tests"]["tail"].strip(), "```", ""]
     return "\n".join(md)
 
@@ -214,6 +239,8 @@ def main() -> int:
     ap.add_argument("--rep-ms", type=int, default=200, help="timing window per measurement")
     ap.add_argument("--all-rows-timeout", type=int, default=120,
                     help="seconds for the all-rows vs sampled-rows step timing")
+    ap.add_argument("--watcher-timeout", type=int, default=150,
+                    help="seconds for each watcher-overhead run (0: skip them)")
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
@@ -242,6 +269,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "tests": tests, "bench": bench, "no_recompile": check_no_recompile(),
         "all_rows": run_all_rows(args.all_rows_timeout),
+        "watcher": run_watcher(args.watcher_timeout) if args.watcher_timeout else {},
         "seconds": round(time.time() - t0, 1),
     }
     report["verdicts"] = verdicts(bench)
