@@ -281,8 +281,8 @@ class Attachment:
                 wq.register_post_accumulate_grad_hook(self.watcher._wq_grad_hook(st)))
 
     def force_eager(self, on: bool) -> None:
-        """While a step is measured and some layer cannot take the traced probe (not yet
-        seen calling SDPA, calling flashwatch.attention, routed), every torch.compile'd
+        """While a step is measured and some layer cannot take the traced probe
+        (Watcher._traceable: e.g. not yet seen calling SDPA), every torch.compile'd
         function runs eagerly (Dynamo's "force_eager" stance), so compiled models are
         measured without a graph break. A graph break there would sit inside the
         model's loop over its layers, where Dynamo cannot resume: it then runs that

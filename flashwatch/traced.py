@@ -22,10 +22,9 @@ TorchFunctionMode that Dynamo traces into the model's graph (no graph break). Th
 `key` names the layer (`register`): a 0-dim int64 tensor, so a graph holds no reference
 to a watcher, and is an input of the graph, not a constant it specialises on.
 
-Used only for layers seen, on an earlier eager monitored step, to make plain SDPA calls
-and no flashwatch.attention call, with an nn.Linear (or no) Q projection and no head
-modes (flashwatch/watcher.py `_traceable`); any other layer keeps the watcher on the
-force_eager path (flashwatch/attach.py).
+Used only for layers an earlier eager monitored step showed it can measure like the
+eager probe (flashwatch/watcher.py `Watcher._traceable` says which); any other layer
+keeps the watcher on the force_eager path (flashwatch/attach.py).
 """
 
 from __future__ import annotations
@@ -172,11 +171,6 @@ def q_path(module: nn.Module, q_module) -> str | None:
 
 def run(st, module, original, args, kwargs):
     """The watched forward of a compiled monitored step, traced by Dynamo."""
-    wq = None
-    if st.q_path is not None:
-        q = module
-        for part in st.q_path.split(".") if st.q_path else ():
-            q = getattr(q, part)
-        wq = q.weight
+    wq = None if st.q_path is None else module.get_submodule(st.q_path).weight
     with Interceptor(st.key_t, wq):
         return original(module, *args, **kwargs)

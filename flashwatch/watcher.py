@@ -103,12 +103,13 @@ class _SiteState:
     # (sample, every_row, rows of the call) of calls made without grad, for a
     # reentrant checkpoint's recompute to hook
     no_grad_samples: list = field(default_factory=list)
-    # Compiled monitored steps (flashwatch/traced.py): the layer's key for the probe ops,
-    # its TorchFunctionMode, and what eager monitored steps saw it call. `traced` (read
-    # by the forward wrapper on measured steps; Dynamo guards on it) says whether its
-    # compiled forward runs the traced probe.
-    key: int = -1
-    key_t: torch.Tensor | None = None  # key as a 0-dim int64 tensor, for the ops
+    # Compiled monitored steps (flashwatch/traced.py): the layer's key for the probe ops
+    # and what eager monitored steps saw it do. `traced` (read by the forward wrapper on
+    # measured steps; Dynamo guards on it) says whether its compiled forward runs the
+    # traced probe.
+    key: int = -1  # in traced's registry
+    key_t: torch.Tensor | None = None  # the same as a 0-dim tensor: a graph input, not a
+    # constant each block's graph would specialise on
     q_path: str | None = None  # the nn.Linear Q projection inside the module (traced.q_path)
     sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
     checkpointed: bool = False  # its forward was recomputed (activation checkpointing)
@@ -453,7 +454,7 @@ class Watcher:
             out = func(*args, **kwargs)
         if self._measuring:
             st.sdpa_seen = True
-            dropped = bool(dropout) and torch.is_grad_enabled() and not routed
+            dropped = bool(dropout) and torch.is_grad_enabled()  # never routed (above)
             if dropped:  # the kernel's O is dropped out; the FP32 recomputation is not
                 st.dropout_seen = True
                 self._warn_once(st, "dropout", f"flashwatch: {st.site.name} uses attention "
@@ -540,12 +541,11 @@ class Watcher:
                     self._hook_recompute(st, out)
             else:
                 got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.x)
-                if got is None or not grad:
-                    pass
-                elif out.requires_grad:  # the hook goes on the tensor autograd sees
-                    out.register_hook(self._grad_hook(st, *got))
-                else:  # a reentrant checkpoint's first forward: its recompute takes it
-                    st.no_grad_samples.append(got)
+                if got is not None and grad:
+                    if out.requires_grad:  # the hook goes on the tensor autograd sees
+                        out.register_hook(self._grad_hook(st, *got))
+                    else:  # a reentrant checkpoint's first forward: its recompute hooks it
+                        st.no_grad_samples.append(got)
         except Exception as e:
             self._error(f"probe {st.site.name}", e)
         self._monitor_seconds += time.perf_counter() - t0
