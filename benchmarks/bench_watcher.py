@@ -11,6 +11,10 @@ Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-s
    per-step times.
 2. Within the watched run: median monitored step vs median unmonitored step, and the
    unmonitored-step ratio (median unmonitored watched / median not watched).
+   Paired: each step's watched time minus the mean of the two unwatched models' times
+   on the same step and batch (slow machine drift cancels), averaged over monitored,
+   unmonitored and all steps, with a standard error; the paired amortised ratio is
+   1 + mean extra / mean unwatched step, ± 2 standard errors.
    --compile: both models torch.compile'd (inductor; --compile-mode e.g.
    reduce-overhead), the watcher attached after compiling; the first 25 steps
    (compilation of both graphs) are not timed. --device cuda (benchmarks/gpu_check.py)
@@ -69,10 +73,12 @@ def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = 
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
     g = torch.Generator().manual_seed(0)
     times = {0: [], 1: [], "mon": [], "unmon": []}
+    paired = {"mon": [], "unmon": []}  # watched minus the unwatched mean, same step
     for step in range(steps + warmup):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
         x, y = idx[:, :-1].to(device), idx[:, 1:].to(device)
         monitored = step % every == 0
+        now = {}
         # The three models in a rotating order: none always runs first (caches, turbo).
         for i in [(step + j) % 3 for j in range(3)]:
             sync(device)
@@ -82,8 +88,11 @@ def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = 
                 w.step()
             sync(device)
             dt = time.perf_counter() - t0
+            now[i] = dt
             if step >= warmup:
                 times[("mon" if monitored else "unmon") if i == 2 else i].append(dt)
+        if step >= warmup:
+            paired["mon" if monitored else "unmon"].append(now[2] - (now[0] + now[1]) / 2)
     t_plain, t_mon, t_unmon = times[0], times["mon"], times["unmon"]
     t_watched = t_mon + t_unmon
     med = statistics.median
@@ -106,7 +115,20 @@ def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = 
           f"{med(t_mon) / med(t_unmon):.3f} |")
     print(f"| median unmonitored watched step / median not watched | "
           f"{med(t_unmon) / med(t_plain):.3f} |")
+    base = statistics.mean(t_plain + times[1])
+    for name, xs in (("monitored", paired["mon"]), ("unmonitored", paired["unmon"]),
+                     ("all", paired["mon"] + paired["unmon"])):
+        print(f"| paired extra, {name} steps (n={len(xs)}) | {1e3 * statistics.mean(xs):.2f} "
+              f"± {1e3 * _stderr(xs):.2f} ms |")
+    # Amortised at this cadence from the two paired means, weighted by their step counts.
+    every_extra = paired["mon"] + paired["unmon"]
+    print(f"| paired amortised ratio (± 2 s.e.) | {1 + statistics.mean(every_extra) / base:.4f} "
+          f"± {2 * _stderr(every_extra) / base:.4f} |")
     w.remove()
+
+
+def _stderr(xs: list[float]) -> float:
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
 
 
 def state_size(n_steps: int) -> None:

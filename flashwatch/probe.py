@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashwatch import smallops
 from flashwatch.kernels.common import no_autocast
 
 
@@ -83,17 +84,18 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
         n = len(tc)
         if elems is None:  # every element in order: slices, no gather
             el = torch.arange(lo, lo + n, device=q.device)
-            kv = (k[lo:lo + n], v[lo:lo + n])
+            kc, vc = k[lo:lo + n], v[lo:lo + n]
         else:
             el = elems[lo:lo + step]
-            kv = (k[el], v[el])
+            kc, vc = k[el], v[el]
         # Contiguous FP32 copies [n, G, Nk, D]: k and v are usually strided views of one
         # QKV projection, which the matmuls would copy again (2.2× the recompute's time
         # on the benchmark GPT).
-        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
+        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format)
+                  for x in (kc, vc))
         qb = q[el[:, None], :, tc].float().transpose(1, 2)  # [n, H, w, D]
         # The H/G query heads of each KV head as one [H/G·w, D] block against it.
-        s = torch.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(
+        s = smallops.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(
             n, H, w, Nk) * scale  # [n, H, w, Nk]
         if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
             hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
@@ -113,7 +115,7 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
             tie = tie & ~empty
             p = p.masked_fill(empty.unsqueeze(-1), 0.0)
         pg = p.view(n, G, -1, Nk)
-        o, pk = (torch.matmul(pg, x).view(n, H, w, -1) for x in (vb, kb))
+        o, pk = (smallops.matmul(pg, x).view(n, H, w, -1) for x in (vb, kb))
         outs.append([x.transpose(1, 2).reshape(n * w, H, *x.shape[3:])
                      for x in (o, pk, tie, mx)])
     if len(outs) == 1:

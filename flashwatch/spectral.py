@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+from flashwatch import smallops
 
 COLD_START_MAX_ITERS = 500  # cold-start cap; 64×768 Gaussian (no gap): 1.7e-4 rel. error
 # A warm start runs `iters` iterations, then goes on until σ settles (at most this many):
@@ -59,9 +62,18 @@ def psd_power(M: torch.Tensor, rounds: int) -> torch.Tensor:
     trace (≥ λ_1), so λ_1 ∈ [1/m, 1] and its 8th power (3 squarings inside
     matrix_power) stays ≥ m^-8 > 0 and nothing overflows. A zero M[i] stays zero."""
     floor = 1e-300 if M.dtype == torch.float64 else 1e-30
+    if smallops.on_numpy(M):  # flashwatch/smallops.py: ≈ 1.5× faster on the CPU
+        a = M.detach().numpy()
+        for _ in range(rounds):
+            a = a / np.maximum(np.trace(a, axis1=1, axis2=2), floor)[:, None, None]
+            for _ in range(3):
+                a = a @ a
+        return torch.from_numpy(a)
     for _ in range(rounds):
         trace = M.diagonal(dim1=1, dim2=2).sum(dim=1)
-        M = torch.linalg.matrix_power(M / trace.clamp_min(floor)[:, None, None], 8)
+        M = M / trace.clamp_min(floor)[:, None, None]
+        for _ in range(3):  # bmm: matrix_power's matmul adds ~15 view ops a round
+            M = torch.bmm(M, M)
     return M
 
 

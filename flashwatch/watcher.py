@@ -31,6 +31,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -797,10 +798,13 @@ class Watcher:
             dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G,
                  extra=extra),
             dict(max_logit=max_logit))
+        # From here on numpy on views of the reduced CPU float64 tensors: ≈ 1 µs an op on
+        # [n_heads] arrays against ≈ 5 µs for torch's.
         tied, rows, delta_sum, grad_rows, G, extra = (
-            sums[k] for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
-        max_logit = maxes["max_logit"]
+            sums[k].numpy() for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
+        max_logit = maxes["max_logit"].numpy()
         delta_sq, delta_rows, delta_missed, share_num, share_rows, wq_grad_sq, guarded = extra
+        sampled, averaged = sampled.numpy(), averaged.numpy()
         # Sums over rows keep their size whatever the world size W (docs/design.md §5).
         # Each rank's dO is that of its own mean loss, W times its rows' share of the
         # averaged gradient DDP and FSDP step on: ÷W. Sampled rows: every rank samples
@@ -808,24 +812,28 @@ class Watcher:
         # The sign statistics get the sums ÷W only (Σc²: ÷W²): scale-free, and with the
         # power of every rank's rows.
         W = world_size()
-        row_sampled = delta_missed > 0  # Σc from sampled rows (not the kernel's every row)
-        delta_sum_w, delta_sq_w = delta_sum / W, delta_sq / (W * W)
-        delta_sum = delta_sum / torch.where(row_sampled, float(W * W), float(W)).double()
-        G = G / torch.where(sampled, float(W * W), float(W)).double().view(-1, 1, 1)
-        no_rows = rows == 0
-        tie_ratio = torch.where(no_rows, math.nan, tied / rows.clamp(min=1))
-        max_logit = torch.where(torch.isneginf(max_logit), math.nan, max_logit)
-        no_grad = grad_rows == 0
-        delta_sum = torch.where(no_grad, math.nan, delta_sum)
-        G = torch.where(no_grad.view(-1, 1, 1), math.nan, G)
-        # Across ranks: ratio of the rank sums (‖E_r‖² and ‖dW^Q_r‖² of the local
-        # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
-        # Under FSDP2 the denominator is the averaged gradient's (each rank its shard):
-        # the numerator then counts every rank's error at the global loss's scale, its
-        # dO being W times that: ÷W².
-        share_num = torch.where(averaged, share_num / (W * W), share_num)
-        share = (share_num / wq_grad_sq).sqrt()
-        share = torch.where((share_rows == 0) | ~(wq_grad_sq > 0), math.nan, share)
+        with np.errstate(divide="ignore", invalid="ignore"):  # NaN where it is dropped
+            row_sampled = delta_missed > 0  # Σc from sampled rows (not every row)
+            delta_sum_w, delta_sq_w = delta_sum / W, delta_sq / (W * W)
+            delta_sum = delta_sum / np.where(row_sampled, float(W * W), float(W))
+            G = G / np.where(sampled, float(W * W), float(W))[:, None, None]
+            tie_ratio = np.where(rows == 0, np.nan, tied / np.maximum(rows, 1.0))
+            max_logit = np.where(np.isneginf(max_logit), np.nan, max_logit)
+            no_grad = grad_rows == 0
+            delta_sum = np.where(no_grad, np.nan, delta_sum)
+            G = np.where(no_grad[:, None, None], np.nan, G)
+            # Across ranks: ratio of the rank sums (‖E_r‖² and ‖dW^Q_r‖² of the local
+            # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
+            # Under FSDP2 the denominator is the averaged gradient's (each rank its
+            # shard): the numerator then counts every rank's error at the global loss's
+            # scale, its dO being W times that: ÷W².
+            share_num = np.where(averaged, share_num / (W * W), share_num)
+            share = np.sqrt(share_num / wq_grad_sq)
+            share = np.where((share_rows == 0) | ~(wq_grad_sq > 0), np.nan, share)
+        t = torch.from_numpy
+        tie_ratio, max_logit, share = t(tie_ratio), t(max_logit), t(share)
+        G, delta_sum_w, delta_sq_w, wq_grad_sq = (t(x) for x in (G, delta_sum_w, delta_sq_w,
+                                                                 wq_grad_sq))
         values = self._signals.update(G, sigma, delta_sum_w, delta_sq_w, share,
                                       share_weight=wq_grad_sq)
         modes = torch.cat([st.modes for st in self._states]).long()
@@ -851,7 +859,7 @@ class Watcher:
             delta_sign_z=values.delta_sign_z, delta_error_share=share,
             delta_error_share_mean=values.delta_error_share_mean,
             delta_error_share_std=values.delta_error_share_std,
-            guarded_rows=guarded.long(), r_projection=values.r_projection,
+            guarded_rows=guarded.astype(np.int64), r_projection=values.r_projection,
             r_projection_cumulative=values.r_projection_cumulative,
             delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
             wq_spectral_norm=sigma).items()}
@@ -861,10 +869,12 @@ class Watcher:
                 ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
         modes_now, recommended = ran.tolist(), decision.recommended.tolist()
         flagged = decision.flagged.tolist()
-        records = [HeadRecord(layer=layer, head=head, **{k: v[i] for k, v in columns.items()},
-                              head_mode=Mode(modes_now[i]), recommended_mode=Mode(recommended[i]),
-                              flagged=bool(flagged[i]))
-                   for i, (layer, head) in enumerate(self._heads)]
+        names = list(columns)
+        records = [HeadRecord(layer=layer, head=head, **dict(zip(names, vals, strict=True)),
+                              head_mode=Mode(m), recommended_mode=Mode(r), flagged=bool(f))
+                   for (layer, head), m, r, f, *vals in zip(
+                       self._heads, modes_now, recommended, flagged, *columns.values(),
+                       strict=True)]
         events = self._unreported + withdrawn + list(decision.events) + clips
         self._unreported = []
         return StepReport(step=step, heads=records, events=events,

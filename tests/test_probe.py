@@ -7,8 +7,14 @@ import math
 import pytest
 import torch
 
-from flashwatch import probe
+from flashwatch import probe, smallops
 from oracle import causal_mask, grads_given_delta, math_attention
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["numpy_matmul", "torch_matmul"])
+def matmul_path(request, monkeypatch):
+    """Every test on both product paths: numpy (CPU) and torch (every other device)."""
+    monkeypatch.setattr(smallops, "NUMPY_CPU", request.param)
 
 
 def _rows(q, b, t):

@@ -8,9 +8,16 @@ import math
 import pytest
 import torch
 
+from flashwatch import smallops
 from flashwatch.spectral import gram_norm, power_iteration
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["numpy_matmul", "torch_matmul"])
+def matmul_path(request, monkeypatch):
+    """Every test on both product paths: numpy (CPU) and torch (every other device)."""
+    monkeypatch.setattr(smallops, "NUMPY_CPU", request.param)
 
 
 def _exact(W):
