@@ -42,9 +42,17 @@ def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
 
 def flat(elems, t):
     """(b, t) of every sampled row, [E·w] each, in the order `recompute` returns them."""
-    if elems is None:
-        elems = torch.arange(t.shape[0], device=t.device)
+    if elems is None:  # every element in order: b depends on the shape only
+        key = (*t.shape, t.device)
+        b = _ORDERED_B.get(key)
+        if b is None:
+            b = _ORDERED_B[key] = torch.arange(t.shape[0], device=t.device).repeat_interleave(
+                t.shape[1])
+        return b, t.reshape(-1)
     return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
+
+
+_ORDERED_B: dict = {}  # (E, w, device) -> b of `flat`; callers never write into b
 
 
 def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float):

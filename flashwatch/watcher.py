@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from flashwatch import dispatch as _dispatch_mod
-from flashwatch import probe, reduce, traced
+from flashwatch import probe, reduce, smallops, traced
 from flashwatch.attach import Attachment, recomputing
 from flashwatch.config import WatchConfig
 from flashwatch.distributed import spectral_norms, world_size, wq_grad_sq
@@ -628,16 +628,17 @@ class Watcher:
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
                 xr = x.detach()[b, t].float()
-                z = xr @ st.omega_x.to(q.device)  # [R, k]
+                z = smallops.matmul(xr, st.omega_x.to(q.device))  # [R, k]
+                f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
                 share_w = (scale ** 2 * B * Nq / len(b)) * (
-                    xr.double().square().sum(-1, keepdim=True) * pk.double().square().sum(-1))
+                    xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
             else:
                 if x is not None:
                     self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
                                     f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
                                     f"using q-space sketch terms")
-                z = q[b, :, t].float() @ st.omega_q.to(q.device)  # [R, H, k]
-            y = pk @ st.omega_a.to(q.device)  # [R, H, k]
+                z = smallops.matmul(q[b, :, t].float(), st.omega_q.to(q.device))  # [R, H, k]
+            y = smallops.matmul(pk, st.omega_a.to(q.device))  # [R, H, k]
         sample = probe.Sample(heads=st.heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
                               share_w=share_w, d=probe.o_error(o_used, o32))
         st.samples.append(sample)

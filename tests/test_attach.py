@@ -46,6 +46,60 @@ def test_step_hooks_are_registered_on_monitored_steps_only():
     assert _hook_counts(model) == (0, 0)
 
 
+def _flashwatch_calls_and_ops(fn):
+    """(Python functions of flashwatch's own files called, tensor ops dispatched) in fn()."""
+    import collections
+    import os
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (fw, fw.kernels))
+    calls = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            calls[frame.f_code.co_name] += 1
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    sys.setprofile(profile)
+    try:
+        with Ops():
+            fn()
+    finally:
+        sys.setprofile(None)
+    return calls, Ops.n
+
+
+def test_an_unmonitored_step_runs_only_the_forward_wrapper():
+    """What an unmonitored step pays in the model (benchmarks/bench_watcher.py reads its
+    cost as 0): one call of the swapped forward per layer, forward and backward, and not
+    one tensor op more than the unwatched model."""
+    plain, watched = _gpt(), _gpt()
+    w = fw.watch(watched, every_n_steps=2)
+    _step(watched, w)  # the monitored step 0; step 1 is not monitored
+
+    def train(model):
+        idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+
+    calls, ops = _flashwatch_calls_and_ops(lambda: train(watched))
+    assert dict(calls) == {"forward": SMALL["n_layer"]}
+    assert ops == _flashwatch_calls_and_ops(lambda: train(plain))[1]
+    w.step()  # step 2 is monitored: the same count sees the probe
+    calls, more_ops = _flashwatch_calls_and_ops(lambda: train(watched))
+    assert calls["_probe"] == SMALL["n_layer"] and more_ops > ops
+    w.remove()
+
+
 def test_paused_steps_and_resumed_state_arm_the_hooks_of_the_step_they_are_at():
     model = _gpt()
     w = fw.watch(model, every_n_steps=2)
