@@ -42,17 +42,9 @@ def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
 
 def flat(elems, t):
     """(b, t) of every sampled row, [E·w] each, in the order `recompute` returns them."""
-    if elems is None:  # every element in order: b depends on the shape only
-        key = (*t.shape, t.device)
-        b = _ORDERED_B.get(key)
-        if b is None:
-            b = _ORDERED_B[key] = torch.arange(t.shape[0], device=t.device).repeat_interleave(
-                t.shape[1])
-        return b, t.reshape(-1)
+    if elems is None:
+        elems = torch.arange(t.shape[0], device=t.device)
     return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
-
-
-_ORDERED_B: dict = {}  # (E, w, device) -> b of `flat`; callers never write into b
 
 
 def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float):
@@ -92,15 +84,14 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
         n = len(tc)
         if elems is None:  # every element in order: slices, no gather
             el = torch.arange(lo, lo + n, device=q.device)
-            kc, vc = k[lo:lo + n], v[lo:lo + n]
+            kv = (k[lo:lo + n], v[lo:lo + n])
         else:
             el = elems[lo:lo + step]
-            kc, vc = k[el], v[el]
+            kv = (k[el], v[el])
         # Contiguous FP32 copies [n, G, Nk, D]: k and v are usually strided views of one
         # QKV projection, which the matmuls would copy again (2.2× the recompute's time
         # on the benchmark GPT).
-        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format)
-                  for x in (kc, vc))
+        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
         qb = q[el[:, None], :, tc].float().transpose(1, 2)  # [n, H, w, D]
         # The H/G query heads of each KV head as one [H/G·w, D] block against it.
         s = smallops.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashwatch.spectral import psd_power
+
 F64 = torch.float64
 
 
@@ -107,12 +109,7 @@ def top_singular_pair(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 def _top_pair(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`top_singular_pair` on a float64 ndarray [n, k, k]."""
     k = C.shape[-1]
-    M = C.transpose(0, 2, 1) @ C
-    for _ in range(2):  # (CᵀC)^64: two rounds of 3 squarings, each scaled by its trace
-        M = M / np.maximum(np.trace(M, axis1=1, axis2=2), 1e-300)[:, None, None]
-        M = M @ M
-        M = M @ M
-        M = M @ M
+    M = psd_power(torch.from_numpy(C.transpose(0, 2, 1) @ C), 2).numpy()  # (CᵀC)^64
     v = M @ _START[k].numpy()
     v = v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-300)
     cv = (C @ v[:, :, None])[:, :, 0]
@@ -173,8 +170,9 @@ class HeadSignals:
             "share_weight", share_weight, (n,))
         # numpy on views of the state tensors (they stay the state): a few hundred ops on
         # [n_heads] arrays cost ≈ 1 µs each in numpy against ≈ 5 µs in torch (CPU).
+        arrays = self._arrays()
         C, kappa_cum, kappa_ring, g_ring, g_sum, gnorm_ring, sigma_ring, csum_ring, \
-            csq_ring, share_ring, share_w_ring, pos, fill = self._arrays()
+            csq_ring, share_ring, share_w_ring, pos, fill = arrays
         with np.errstate(invalid="ignore"):
             share = np.where(np.isfinite(weight) & (weight > 0), share, np.nan)
         has = np.isfinite(G).reshape(n, -1).all(axis=1)  # heads with data this step
@@ -206,15 +204,15 @@ class HeadSignals:
         if wrapped.size:
             g_sum[wrapped] = g_ring[wrapped].sum(axis=1)
 
-        return self._values(np.where(has, kappa, np.nan))
+        return self._values(np.where(has, kappa, np.nan), arrays)
 
     def _arrays(self) -> list[np.ndarray]:
         """numpy views of the state tensors, in `_TENSORS` order (writes go to the state)."""
         return [getattr(self, name).numpy() for name in self._TENSORS]
 
-    def _values(self, kappa: np.ndarray) -> SignalValues:
+    def _values(self, kappa: np.ndarray, arrays: list[np.ndarray]) -> SignalValues:
         _, kappa_cum, kappa_ring, _, g_sum, gnorm_ring, sigma_ring, csum_ring, csq_ring, \
-            share_ring, share_w_ring, pos, fill = self._arrays()
+            share_ring, share_w_ring, pos, fill = arrays
         rows, w = np.arange(self.n_heads), self.window
         with np.errstate(invalid="ignore", divide="ignore"):  # NaN/0 where np.where drops it
             s1 = kappa_ring.sum(axis=1)

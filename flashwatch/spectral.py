@@ -59,8 +59,8 @@ GRAM_ROUNDS = 6  # M^(8^6) = M^262144: the module docstring's bound
 def psd_power(M: torch.Tensor, rounds: int) -> torch.Tensor:
     """M^(8^rounds) of each PSD M[i] ([n, m, m]) up to a positive factor per matrix, by
     repeated squaring: only the top eigenvector(s) survive. Each round divides by the
-    trace (≥ λ_1), so λ_1 ∈ [1/m, 1] and its 8th power (3 squarings inside
-    matrix_power) stays ≥ m^-8 > 0 and nothing overflows. A zero M[i] stays zero."""
+    trace (≥ λ_1), so λ_1 ∈ [1/m, 1] and its 8th power (3 squarings) stays
+    ≥ m^-8 > 0 and nothing overflows. A zero M[i] stays zero."""
     floor = 1e-300 if M.dtype == torch.float64 else 1e-30
     if smallops.on_numpy(M):  # flashwatch/smallops.py: ≈ 1.5× faster on the CPU
         a = M.detach().numpy()
