@@ -1,6 +1,6 @@
 """Where a monitored step's cost goes: forward, backward, optimizer and watcher.step().
 
-Usage: python benchmarks/bench_phases.py [--steps 600] [--every 10] [--threads 1]
+Usage: python benchmarks/bench_phases.py [--steps 600] [--every 10] [--threads 1] [--parts]
 
 The small CPU GPT of bench_watcher.py (4 layers × 4 heads, d 128, T 128, B 8, bf16
 autocast), two identical copies, one watched: each step both train on the same batch,
@@ -10,6 +10,10 @@ step), mean ± standard error and median, and the watcher's own `monitor_seconds
 Paired differences of the same step cancel the machine's slow drift (step times here
 moved 60 → 80 ms within minutes); at --every 10 a monitored step follows nine
 unmonitored ones, as in training (caches cold for the watcher's code and data).
+
+--parts: also time the watcher's own functions where they run (in training, caches as
+cold as they are there: one call costs up to twice its time in a loop), inclusive, per
+monitored step. The wrappers add ≈ 1 µs a call.
 """
 
 from __future__ import annotations
@@ -30,13 +34,68 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 PHASES = ("forward", "backward", "optimizer", "watcher.step()")
 
 
+def time_parts() -> dict:
+    """Wrap the watcher's functions with timers; returns {name: seconds}, filled as they
+    run. Indentation in the names: called inside the one above."""
+    import functools
+
+    from flashwatch import policy, probe, reduce, signals
+    from flashwatch import watcher as W
+
+    spent: dict = {}  # in the order below: each name before the ones it calls
+
+    def timed(owner, attr, name):
+        f = getattr(owner, attr)
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        setattr(owner, attr, wrapper)
+        spent[name] = 0.0
+
+    make_hook = W.Watcher._grad_hook
+
+    def grad_hook(self, *args):  # the hook made per call, timed where autograd runs it
+        hook = make_hook(self, *args)
+
+        def timed_hook(grad):
+            t0 = time.perf_counter()
+            try:
+                return hook(grad)
+            finally:
+                spent["gradient hook (c)"] += time.perf_counter() - t0
+        return timed_hook
+    W.Watcher._grad_hook = grad_hook
+    for owner, attr, name in (
+            (W.Watcher, "_probe", "probe (forward)"), (probe, "recompute", "  recompute"),
+            (None, None, "gradient hook (c)"),
+            (probe, "totals", "probe.totals (backward and step())"),
+            (W, "wq_grad_sq", "‖dW^Q‖² hook (backward)"), (W.Watcher, "step", "step()"),
+            (W.Watcher, "_build_report", "  _build_report"),
+            (W, "spectral_norms", "    W^Q spectral norms"),
+            (signals.HeadSignals, "update", "    HeadSignals.update"),
+            (policy.Policy, "decide", "    Policy.decide"),
+            (reduce, "all_reduce", "    reduce.all_reduce")):
+        if owner is None:
+            spent[name] = 0.0
+        else:
+            timed(owner, attr, name)  # W.spectral_norms, W.wq_grad_sq: the names it calls
+    return spent
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--every", type=int, default=10, help="the watcher's every_n_steps")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--parts", action="store_true", help="time the watcher's functions")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    spent = time_parts() if args.parts else None
     cfg = GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128)
     torch.manual_seed(0)
     plain = GPT(cfg)
@@ -51,6 +110,8 @@ def main() -> None:
     for step in range(args.steps):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
         monitored = w._monitoring  # this step's report comes from its step()
+        if spent is not None and step == args.every:
+            spent.update(dict.fromkeys(spent, 0.0))  # as the phases: from the 2nd cycle on
         for j in ((0, 1) if step % 2 else (1, 0)):
             t0 = clock()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -92,6 +153,13 @@ def main() -> None:
     print(f"| amortised at every_n_steps={args.every}: 1 + extra / ({args.every} · step) | | "
           f"{1 + extra / (args.every * step_ms):.4f} ± "
           f"{2 * statistics.stdev(total) / n ** 0.5 / (args.every * step_ms):.4f} (2 s.e.) | |")
+    if spent is not None:
+        print()
+        print("| the watcher's function (inclusive; every call from the second cycle on, "
+              "÷ monitored steps) | ms per monitored step |")
+        print("|---|---|")
+        for name, sec in spent.items():
+            print(f"| {name.replace('  ', '&nbsp;&nbsp;')} | {1e3 * sec / n:.2f} |")
     w.remove()
 
 

@@ -3,6 +3,8 @@
 Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-steps 10000]
                                          [--compile] [--compile-mode MODE] [--every 10]
                                          [--device cpu|cuda] [--gpt2-small]
+                                         [--n-layer 4] [--n-head 4] [--n-embd 128]
+                                         [--block-size 128]
 
 1. Training step time, watched (every 10th step monitored, WatchConfig's default, or
    --every) vs not watched: three identical models (not watched, a second one not
@@ -19,7 +21,9 @@ Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-s
    reduce-overhead), the watcher attached after compiling; the first 25 steps
    (compilation of both graphs) are not timed. --device cuda (benchmarks/gpu_check.py)
    synchronises around every timed step; --gpt2-small: 12 layers × 12 heads, d 768,
-   T 1024, B 8 (the paper's setting) instead of the tiny GPT.
+   T 1024, B 8 (the paper's setting) instead of the tiny GPT; --n-layer, --n-head,
+   --n-embd and --block-size set another size (how the overhead falls as the model
+   grows: the monitored step's extra is mostly a fixed count of small tensor ops).
 3. torch.save size of watcher.state_dict() after 100 and after --state-steps monitored
    steps (every_n_steps=1) of a one-layer model: it must not grow.
 """
@@ -57,10 +61,10 @@ def train_step(model, opt, x, y) -> float:
 
 
 def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = "cpu",
-             compile_mode: str | None = None, gpt2_small: bool = False) -> None:
+             compile_mode: str | None = None, gpt2_small: bool = False,
+             size: dict | None = None) -> None:
     cfg = (GPTConfig(block_size=1024, vocab_size=256, n_layer=12, n_head=12, n_embd=768)
-           if gpt2_small else
-           GPTConfig(block_size=128, vocab_size=256, n_layer=4, n_head=4, n_embd=128))
+           if gpt2_small else GPTConfig(vocab_size=256, **(size or TINY)))
     torch.manual_seed(0)
     plain = GPT(cfg).to(device)
     control = copy.deepcopy(plain)  # a second unwatched model: the noise floor (A/A)
@@ -133,6 +137,9 @@ def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = 
     w.remove()
 
 
+TINY = dict(block_size=128, n_layer=4, n_head=4, n_embd=128)
+
+
 def _stderr(xs: list[float]) -> float:
     return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else float("nan")
 
@@ -167,10 +174,12 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=10, help="the watcher's every_n_steps")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--gpt2-small", action="store_true", help="12 layers, d 768, T 1024")
+    for name, value in TINY.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     overhead(args.steps, args.compile, args.every, args.device, args.compile_mode,
-             args.gpt2_small)
+             args.gpt2_small, {name: getattr(args, name) for name in TINY})
     if args.state_steps:
         state_size(args.state_steps)
 
