@@ -228,7 +228,7 @@ class Policy:
                 reason = "[beta_unsafe] " + self._unsafe_text(i, logit, excess)
             else:
                 reason = self._reason(i, frm, tie, z, coh, growth, median, drift, spectral,
-                                      logit, since_switch)
+                                      since_switch, logit)
                 if to == Mode.FP32_O and frm == Mode.STANDARD:
                     reason += "; " + self._unsafe_text(i, logit, excess)
             layer, head = self.heads[i]
@@ -257,15 +257,14 @@ class Policy:
         self.streak[mask] = 0
         self.since_switch[mask] = 0
 
-    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral,
-                logit=None, since_switch=None) -> str:
+    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral, since_switch,
+                logit=None) -> str:
         cfg = self.config
         drift_text = (f"drift z {_g(z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "
                       f"{_g(coh[i])} ≥ {_g(cfg.coherence_threshold)}")
         for_steps = f"for {cfg.patience} monitored step{'s' * (cfg.patience != 1)}"
         if frm == Mode.BETA:
-            steps = int((self.since_switch if since_switch is None else since_switch)[i])
-            return (f"[drift_persists] drift persists {steps} monitored "
+            return (f"[drift_persists] drift persists {int(since_switch[i])} monitored "
                     f"steps after the switch to BETA (verify_steps {cfg.verify_steps}): "
                     f"{drift_text} {for_steps}")
         rules = [name for name, hit in (("drift", drift[i]), ("wq_growth", spectral[i])) if hit]

@@ -194,7 +194,7 @@ def test_nan_inputs_never_flag():
     assert d.flagged.tolist() == [True, False, False]
     assert "W^Q spectral growth 0.5 ≥ 0.2 and ≥ 3 × median" in p._reason(
         0, Mode.STANDARD, _ties().tolist(), [0.0] * 3, [0.0] * 3, [0.5, 0.01, nan], 0.255,
-        [False] * 3, [True] * 3)
+        [False] * 3, [True] * 3, [0] * 3)
 
 
 def test_state_round_trip_gives_identical_decisions():
