@@ -225,6 +225,35 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats):
     return scale, normalize_head_modes(head_modes, q.shape[1])
 
 
+def update_ties(m_old, cnt_old, s, m_new, eps):
+    """Exact online count (saturating at 2) of scores ≥ rowmax - eps.
+
+    With thr = m_new - eps (FP32): if the max did not move, old count + block count; if
+    it moved but the old max is still ≥ thr, the old max and the new one are both within
+    eps, so the row is tied (≥ 2); otherwise no old score can reach thr and the count is
+    the block's. Equal to a brute-force count over the whole row (tests check this).
+    Masked keys (-inf) never count.
+    """
+    thr = (m_new - eps).unsqueeze(-1)
+    blk = ((s >= thr) & (s != -math.inf)).sum(-1)
+    old = torch.where(m_new == m_old, cnt_old, (m_old >= thr.squeeze(-1)).long())
+    return (old + blk).clamp_(max=2)
+
+
+def empty_out(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An output shaped like t in t's dimension order (dense), e.g. O for q or dK for k.
+
+    A model that views [B, N, H, D] as [B, H, N, D] gets O (and dQ, dK, dV) back in its
+    own layout, so transposing back is free instead of a copy. Contiguous when that order
+    would not put the last dim innermost (the Triton kernels need stride(-1) == 1). The op's
+    fake implementation and every backend use this, so traced and real strides agree.
+    """
+    out = torch.empty_like(t, dtype=dtype)
+    if out.stride(-1) != 1:
+        out = torch.empty(t.shape, dtype=out.dtype, device=t.device)
+    return out
+
+
 def no_autocast(device: torch.device):
     """A context in which the user's torch.autocast is off: FP32 math in the reference and
     the probe must stay FP32 (under CPU autocast an FP32 matmul otherwise runs in BF16)."""

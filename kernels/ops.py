@@ -16,7 +16,9 @@ on the host (it normally lives on the CPU; see `flashwatch.attention`).
 o32 is the FP32 copy of O for the FP32_O heads, laid out [H32, B, Nq, D] in head order;
 with keep_o32 (the watcher's monitored calls) it holds every head (H32 = H), so the
 watcher gets c[T] on every row from the residual O - O_fp32 (docs/design.md §5); the backward
-then picks the FP32_O heads out of it. The "paper" arithmetic ignores keep_o32.
+uses the FP32_O heads' rows of it (the Triton kernels in place, the reference a gather).
+O, dQ, dK and dV come back in the layout of q, k, v (`common.empty_out`): a model that
+transposes [B, N, H, D] into [B, H, N, D] transposes them back without a copy.
 H32 depends on the values in `modes`, so the fake implementation gives it an unbacked
 size: tracing does not specialise on the modes and changing them recompiles nothing.
 
@@ -27,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from . import paper, reference
-from .common import Mode, normalize_head_modes
+from . import reference
+from .common import Mode, empty_out, normalize_head_modes
 
 OP_BACKENDS = ("reference", "triton", "paper")
 
@@ -42,6 +44,18 @@ def _host_modes(modes: torch.Tensor, num_heads: int) -> torch.Tensor:
     # Value check here, not in the caller: under torch.compile the caller cannot look at
     # tensor values without a graph break, but this runs eagerly in both cases.
     return normalize_head_modes(modes, num_heads)
+
+
+def _arithmetic(backend: str) -> str:
+    # backend="reference" and "paper" both run kernels/reference.py, which chooses the
+    # arithmetic for the forward and the backward alike.
+    return "paper" if backend == "paper" else "fused"
+
+
+def _like(t: torch.Tensor, layout_of: torch.Tensor) -> torch.Tensor:
+    """t with the strides of `empty_out(layout_of)` (what the fake implementation says)."""
+    out = empty_out(layout_of, t.dtype)
+    return t if t.stride() == out.stride() else out.copy_(t)
 
 
 @torch.library.custom_op("flashwatch::attention_fwd", mutates_args=())
@@ -59,15 +73,14 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
                                         beta=beta, eps=eps, want_stats=want_stats,
                                         keep_o32=keep_o32)
-    arithmetic = "paper" if backend == "paper" else "fused"
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
-                            eps=eps, want_ties=want_stats, arithmetic=arithmetic,
+                            eps=eps, want_ties=want_stats, arithmetic=_arithmetic(backend),
                             keep_o32=keep_o32)
     if res.o32 is None:
         o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
     else:
         o32 = res.o32.permute(1, 0, 2, 3).contiguous()
-    return res.o, res.lse, o32, res.tied_rows, res.guarded_rows, res.max_logit
+    return _like(res.o, q), res.lse, o32, res.tied_rows, res.guarded_rows, res.max_logit
 
 
 @attention_fwd.register_fake
@@ -75,7 +88,7 @@ def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, ba
                         keep_o32=False):
     B, H, Nq, D = q.shape
     n32 = torch.library.get_ctx().new_dynamic_size()
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+    return (empty_out(q),
             q.new_empty((B, H, Nq), dtype=torch.float32),
             q.new_empty((n32, B, Nq, D), dtype=torch.float32),
             q.new_empty((H,), dtype=torch.int64),
@@ -98,20 +111,15 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                          scale=scale)
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
-    if backend == "paper":
-        dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32_bh, causal=causal,
-                                       scale=scale, modes=modes)
-        return dq, dk, dv
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
-                                       scale=scale, modes=modes)
-    return dq, dk, dv
+                                       scale=scale, modes=modes,
+                                       arithmetic=_arithmetic(backend))
+    return _like(dq, q), _like(dk, k), _like(dv, v)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+    return empty_out(q), empty_out(k), empty_out(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -125,10 +133,12 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
-    # Only o is differentiable; lse, o32 and the counters are side outputs.
+    # Only o is differentiable; lse, o32 and the counters are side outputs. dO goes in
+    # with its own strides (a transposing model's dO is a strided view): every backend
+    # takes any strides, the Triton kernels copy only if the last dim is not contiguous.
     q, k, v, o, lse, o32, modes = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do.contiguous(), q, k, v, o, o32, lse, modes, ctx.causal,
-                               ctx.scale, ctx.backend)
+    dq, dk, dv = attention_bwd(do, q, k, v, o, o32, lse, modes, ctx.causal, ctx.scale,
+                               ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

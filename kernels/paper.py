@@ -59,8 +59,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import Mode, no_autocast
-from .reference import _update_ties
+from .common import Mode, no_autocast, update_ties
 
 BLOCK = 512  # their model calls the Function with 512-query chunks and 512-key blocks
 SUM_FLOOR = 1e-10  # their floor on each block's row sum (before it enters l)
@@ -164,7 +163,7 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
                 s32 = s.float()
                 if hide is not None:
                     s32 = s32.masked_fill(hide, -math.inf)
-                cnt = _update_ties(mx, cnt, s32, mx_new, eps)
+                cnt = update_ties(mx, cnt, s32, mx_new, eps)
             mx = mx_new
 
         o[:, :, q0:q1] = acc / l

@@ -8,12 +8,14 @@ Semantics (docs/design.md §4), `arithmetic="fused"` (what a FlashAttention-2 ke
   matmuls, as a fused backward kernel does.
 
 `arithmetic="paper"` runs kernels/paper.py (the arithmetic of the paper's public
-implementation, forward and backward); this module only forwards to it.
+implementation, forward and backward); `forward` and `backward` only forward to it, so
+this module is the one place that chooses the arithmetic (paper.py imports common.py
+only: no import cycle).
 
 Per-head modes (kernels.common.Mode):
   STANDARD  shift = running row max.
   BETA      in rows whose max r_m has ≥ 2 scores within eps (checked over the whole row,
-            online and exactly: see `_update_ties`), shift = r_m + excess with
+            online and exactly: see `common.update_ties`), shift = r_m + excess with
             excess = (β-1)·r_m for r_m > 0 and -r_m otherwise, bounded by the guard in
             `beta_shift`. When a tie or a new max appears mid-row the shift changes and
             acc and l are rescaled, as online softmax does for a new max.
@@ -27,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import paper
 from .common import (
     ARITHMETICS,
     GUARD_NATS,
@@ -35,6 +38,7 @@ from .common import (
     Mode,
     check_inputs,
     no_autocast,
+    update_ties,
 )
 
 BLOCK_N = 128  # keys per block in the fused arithmetic (a typical Triton BLOCK_N)
@@ -71,21 +75,6 @@ def beta_excess(m: torch.Tensor, beta: float, guard: float) -> tuple[torch.Tenso
     excess = torch.where(guarded, wrapped, excess)
     excess = torch.where(excess < MIN_EXCESS, MIN_EXCESS + excess, excess)
     return excess, guarded
-
-
-def _update_ties(m_old, cnt_old, s, m_new, eps):
-    """Exact online count (saturating at 2) of scores ≥ rowmax - eps.
-
-    With thr = m_new - eps (FP32): if the max did not move, old count + block count; if
-    it moved but the old max is still ≥ thr, the old max and the new one are both within
-    eps, so the row is tied (≥ 2); otherwise no old score can reach thr and the count is
-    the block's. Equal to a brute-force count over the whole row (tests check this).
-    Masked keys (-inf) never count.
-    """
-    thr = (m_new - eps).unsqueeze(-1)
-    blk = ((s >= thr) & (s != -math.inf)).sum(-1)
-    old = torch.where(m_new == m_old, cnt_old, (m_old >= thr.squeeze(-1)).long())
-    return (old + blk).clamp_(max=2)
 
 
 def _causal_mask(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
@@ -154,7 +143,7 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                 s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
             m_new = torch.maximum(m, s.amax(-1))
             if track:
-                cnt = _update_ties(m, cnt, s, m_new, eps)
+                cnt = update_ties(m, cnt, s, m_new, eps)
             shift_new = m_new
             if any_beta:
                 excess, _ = beta_excess(m_new, beta, guard)
@@ -196,8 +185,6 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                                   block_n=block_n or BLOCK_N, keep_o32=keep_o32)
-    from . import paper  # the paper's arithmetic lives in its own module
-
     res = paper.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
                         want_ties=want_ties, debug=debug, keep_o32=keep_o32)
     H = q.shape[1]
@@ -206,9 +193,14 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
                          res.rows, res.pbar_max, res.o_unnormalized)
 
 
-def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, block_n=BLOCK_N,
-             block_m=BLOCK_M):
-    """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used."""
+def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, arithmetic="fused",
+             block_n=BLOCK_N, block_m=BLOCK_M):
+    """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used.
+    o32: [B, H32, Nq, D] for the FP32_O heads or None. arithmetic as in `forward` (block_n
+    and block_m apply to "fused" only)."""
+    if arithmetic == "paper":
+        return paper.backward(do, q, k, v, o, lse, o32, causal=causal, scale=scale,
+                              modes=modes)
     with no_autocast(q.device):
         return _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m)
 
@@ -267,14 +259,8 @@ class ReferenceAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
-        if ctx.arithmetic == "paper":
-            from . import paper
-
-            dq, dk, dv, _ = paper.backward(do, q, k, v, o, lse, o32, causal=ctx.causal,
-                                           scale=ctx.scale, modes=ctx.modes)
-            return dq, dk, dv, None, None, None, None, None, None, None
         dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
-                                 modes=ctx.modes)
+                                 modes=ctx.modes, arithmetic=ctx.arithmetic)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
