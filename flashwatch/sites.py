@@ -39,14 +39,21 @@ from typing import Any
 import torch
 from torch import nn
 
-KINDS = ("nanogpt", "hf", "gpt2_conv1d", "explicit")
+from flashwatch import layouts
+from flashwatch.eager_attention import refuse_no_sdpa
+
+KINDS = ("nanogpt", "hf", "gpt2_conv1d", "fused_qkv", "gated_q", "explicit")
 # Where head counts live, in the order they are tried: on the module first, then on its
 # `config`. The module wins because under tensor parallelism it holds the local (sharded)
 # count while the config holds the global one.
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 HEAD_DIM_ATTRS = ("head_dim",)
-SPEC_KEYS = ("num_heads", "q_module", "wq", "num_kv_heads", "head_dim", "q_slice_of_output")
+SPEC_KEYS = ("num_heads", "q_module", "wq", "num_kv_heads", "head_dim", "q_slice_of_output",
+             "q_layout", "q_channels")
+# Direct children that are separate Q, K, V projections: most HF models, BERT/RoBERTa/ViT
+# (query, key, value), T5 (q, k, v).
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
 
 # Orientation check tolerance, relative Frobenius error of X·W^Qᵀ. A transposed weight or
 # a wrong slice gives two unrelated random maps: error ≈ sqrt(2) ≈ 1.4. BF16 rounding of
@@ -66,9 +73,17 @@ class AttentionSite:
     q_module: the module whose input is X; its output, restricted to the channels
       q_slice_of_output = (start, stop), is q laid out head-major ([..., H, head_dim]).
       None when unknown (then there is no X and no orientation check).
-    kind: "nanogpt" | "hf" | "gpt2_conv1d" | "explicit".
+    kind: "nanogpt" | "hf" | "gpt2_conv1d" | "fused_qkv" (a `query_key_value` or
+      `qkv_proj` Linear) | "gated_q" (q_proj output [q_h | gate_h] per head) | "explicit".
     wq_source: a callable returning W^Q as [H, head_dim, d_model] or, in nn.Linear
       orientation, [H * head_dim, d_model]; read through `wq()`.
+    q_index: the Q channels of q_module's output, [H * head_dim] int64, head-major
+      (flashwatch/layouts.py); q_slice_of_output is (start, stop) when they are one
+      contiguous run, None otherwise (interleaved layouts). Derived from the slice when
+      not given.
+    layout: the name of that layout, for messages (flashwatch.layouts.LAYOUTS).
+    k_module, k_index: the module computing K and its K channels ([Hkv * head_dim],
+      head-major), when known (QK-clip scales them); None for explicit sites.
     """
 
     name: str
@@ -81,6 +96,10 @@ class AttentionSite:
     kind: str
     q_slice_of_output: tuple[int, int] | None
     wq_source: Callable[[], torch.Tensor] = field(repr=False)
+    q_index: torch.Tensor | None = field(default=None, repr=False)
+    layout: str = "q"
+    k_module: nn.Module | None = field(default=None, repr=False)
+    k_index: torch.Tensor | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -104,10 +123,14 @@ class AttentionSite:
         if self.q_module is not None and not isinstance(self.q_module, nn.Module):
             raise TypeError(f"{where}: q_module must be an nn.Module or None, got "
                             f"{type(self.q_module).__name__}")
-        if self.q_module is not None and self.q_slice_of_output is None:
+        if self.q_index is not None:
+            self.q_index = _as_index(self.q_index, self.num_heads * self.head_dim, where)
+            self.q_slice_of_output = layouts.as_slice(self.q_index)
+        if self.q_module is not None and self.q_slice_of_output is None \
+                and self.q_index is None:
             raise ValueError(f"{where}: q_module is set but q_slice_of_output is None; pass "
                              "(start, stop) of the Q channels in q_module's output")
-        if self.q_slice_of_output is not None:
+        if self.q_slice_of_output is not None and self.q_index is None:
             start, stop = _as_slice(self.q_slice_of_output, where)
             if stop - start != self.num_heads * self.head_dim:
                 raise ValueError(
@@ -117,6 +140,9 @@ class AttentionSite:
                     "the slice must cover exactly the Q channels"
                 )
             self.q_slice_of_output = (start, stop)
+            self.q_index = torch.arange(start, stop)
+        if self.k_index is not None:
+            self.k_index = _as_index(self.k_index, self.num_kv_heads * self.head_dim, where)
         if not callable(self.wq_source):
             raise TypeError(f"{where}: wq_source must be a callable returning W^Q, got "
                             f"{type(self.wq_source).__name__}")
@@ -151,6 +177,8 @@ def find_sites(
     A module inside a site is never a second site (HF attention contains q_proj, ...).
     Site names are canonical (`canonical_name`): the same for the model compiled,
     checkpoint-wrapped or FSDP-wrapped, so a watcher's state moves between them.
+    Layers that make no SDPA call (HF attn_implementation="eager", Bloom) are refused
+    with ValueError (flashwatch/eager_attention.py).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -190,6 +218,7 @@ def find_sites(
         raise ValueError("sites is empty; pass None to discover the attention layers or "
                          "at least one site")
     _check_disjoint(found)
+    refuse_no_sdpa(found)
     for site in found:
         check_orientation(site)
     return [_canonical(model, site) for site in found]
@@ -205,6 +234,8 @@ def make_site(
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
     q_slice_of_output: tuple[int, int] | None = None,
+    q_layout: str | None = None,
+    q_channels: Sequence[int] | torch.Tensor | None = None,
 ) -> AttentionSite:
     """An explicit site for an attention module that `find_sites` does not recognise.
 
@@ -219,7 +250,14 @@ def make_site(
     head_dim: defaults to d_model // num_heads.
     q_slice_of_output: (start, stop) of the Q channels in q_module's output, head-major.
       Default (0, num_heads * head_dim): right for a plain Q projection and for fused
-      [q | k | v] projections (nanoGPT, timm); interleaved layouts need their own wq.
+      [q | k | v] projections (nanoGPT, timm).
+    q_layout: an interleaved layout of q_module's outputs (flashwatch/layouts.py):
+      "per_head_qkv" (GPT-NeoX, Bloom: [q_h | k_h | v_h] per head), "per_group_qkv"
+      (Falcon's new architecture), "per_head_q_gate" (Qwen3-Next's gated q_proj), or "q".
+    q_channels: the Q output channels themselves, head-major ([H * head_dim] ints).
+    At most one of q_slice_of_output, q_layout, q_channels. The slice is checked at
+    discovery against q_module (`check_orientation`) and, on the first monitored call,
+    against the q that reaches SDPA (flashwatch.layouts.QCheck).
     """
     if not isinstance(name, str):
         raise TypeError(f"site name must be a str module path, got {type(name).__name__}")
@@ -253,29 +291,52 @@ def make_site(
             raise ValueError(f"{where}: d_model={d_model} is not a multiple of "
                              f"num_heads={num_heads}; pass head_dim= explicitly")
         head_dim = d_model // num_heads
-    if q_slice_of_output is None and q_mod is not None:
-        q_slice_of_output = (0, num_heads * head_dim)
-
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    index = _explicit_index(where, num_heads, kv, head_dim, q_mod, q_slice_of_output,
+                            q_layout, q_channels)
     if wq is None:
         if q_weight is None:
             raise ValueError(f"{where}: q_module is {type(q_mod).__name__}, not an nn.Linear "
                              "or Conv1D, so W^Q cannot be read from it; pass wq=")
-        start, stop = _as_slice(q_slice_of_output, where)
-        if stop > q_weight.shape[0]:
-            raise ValueError(f"{where}: q_slice_of_output={q_slice_of_output} goes past the "
+        if int(index.max()) >= q_weight.shape[0]:
+            raise ValueError(f"{where}: the Q channels go up to {int(index.max())}, past the "
                              f"{q_weight.shape[0]} outputs of q_module")
-        source = _rows_of(q_mod, start, stop)
+        source = _rows_at(q_mod, index)
     elif isinstance(wq, torch.Tensor):
         tensor = wq
         source = lambda: tensor  # noqa: E731
     else:
         source = wq
     return AttentionSite(
-        name=name, module=module, num_heads=num_heads,
-        num_kv_heads=num_heads if num_kv_heads is None else num_kv_heads,
+        name=name, module=module, num_heads=num_heads, num_kv_heads=kv,
         head_dim=head_dim, d_model=d_model, q_module=q_mod, kind="explicit",
-        q_slice_of_output=q_slice_of_output, wq_source=source,
+        q_slice_of_output=None, wq_source=source,
+        q_index=None if q_mod is None else index, layout=q_layout or "q",
     )
+
+
+def _explicit_index(where, H, Hkv, D, q_mod, q_slice, q_layout, q_channels):
+    """The Q channels an explicit site asks for (make_site's three ways to say it)."""
+    given = [n for n, v in (("q_slice_of_output", q_slice), ("q_layout", q_layout),
+                            ("q_channels", q_channels)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{where}: pass at most one of q_slice_of_output, q_layout and "
+                         f"q_channels, got {given}")
+    if q_channels is not None:
+        return _as_index(q_channels, H * D, where)
+    if q_layout is not None:
+        if q_layout not in layouts.LAYOUTS:
+            raise ValueError(f"{where}: q_layout must be one of {layouts.LAYOUTS}, got "
+                             f"{q_layout!r}")
+        if H % Hkv:
+            raise ValueError(f"{where}: num_heads={H} is not a multiple of num_kv_heads={Hkv}")
+        return layouts.q_index(q_layout, H, Hkv, D)
+    start, stop = _as_slice(q_slice or (0, H * D), where)
+    if stop - start != H * D:
+        raise ValueError(f"{where}: q_slice_of_output={q_slice} spans {stop - start} channels "
+                         f"but num_heads * head_dim = {H} * {D} = {H * D}; the slice must "
+                         "cover exactly the Q channels")
+    return torch.arange(start, stop)
 
 
 def check_orientation(site: AttentionSite) -> None:
@@ -301,7 +362,7 @@ def check_orientation(site: AttentionSite) -> None:
     # change its data order and dropout masks.
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, site.d_model, generator=gen).to(device=w.device, dtype=w.dtype)
-    start, stop = site.q_slice_of_output
+    index = site.q_index
     with torch.no_grad(), _autocast_off(w.device.type):
         try:
             call = _plain_call(site.q_module)
@@ -318,17 +379,16 @@ def check_orientation(site: AttentionSite) -> None:
                 f"{_describe(out)} for an input [1, 2, {site.d_model}]; it must return one "
                 "tensor [..., channels] whose channels q_slice_of_output selects"
             )
-        if stop > out.shape[-1]:
-            raise RuntimeError(f"site {site.name!r}: q_slice_of_output={(start, stop)} goes "
+        if int(index.max()) >= out.shape[-1]:
+            raise RuntimeError(f"site {site.name!r}: its Q channels ({site.layout} layout) go "
                                f"past the {out.shape[-1]} output channels of q_module")
-        got = (out[..., start:stop].float() - zero[..., start:stop].float())
-        got = got.unflatten(-1, (site.num_heads, site.head_dim))
+        out, zero = (t.index_select(-1, index.to(t.device)) for t in (out, zero))
+        got = (out.float() - zero.float()).unflatten(-1, (site.num_heads, site.head_dim))
         want = torch.einsum("btc,hdc->bthd", x.float(), w.float())
         err = (got - want).norm().item()
         # Rounding of q_module's output in its own dtype: at most eps/2 per element for each
         # of up to two roundings (matmul, then + bias), so eps·(‖f(X)‖ + ‖f(0)‖) bounds it.
-        rounding = torch.finfo(out.dtype).eps * (
-            out[..., start:stop].float().norm() + zero[..., start:stop].float().norm())
+        rounding = torch.finfo(out.dtype).eps * (out.float().norm() + zero.float().norm())
         allowed = ORIENTATION_RTOL * want.norm().item() + rounding.item()
     if not err <= allowed:  # `not <=` so that NaN fails too
         raise RuntimeError(
@@ -337,7 +397,7 @@ def check_orientation(site: AttentionSite) -> None:
             f"{allowed:.3g} allowed (relative {err / max(want.norm().item(), 1e-30):.3g}). "
             "The weight is transposed (nn.Linear stores [out, in], Conv1D [in, out]) or "
             "q_slice_of_output selects the wrong channels; pass this site explicitly with "
-            "sites={name: dict(num_heads=..., q_module=..., wq=...)}"
+            "sites={name: dict(num_heads=..., q_module=..., wq=...)} or q_layout=..."
         )
 
 
@@ -365,40 +425,85 @@ def _discover(model: nn.Module) -> list[AttentionSite]:
 def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite | None:
     children = module._modules  # direct children only: a block is not its attention
     where = f"module {name or '<root>'!r} ({type(module).__name__})"
-    c_attn = children.get("c_attn")
-    if c_attn is not None:
-        is_conv1d = type(c_attn).__name__ == "Conv1D"
-        if isinstance(c_attn, nn.Linear):
-            C, out = c_attn.in_features, c_attn.out_features
-        elif is_conv1d and getattr(c_attn, "weight", None) is not None and c_attn.weight.dim() == 2:
-            C, out = c_attn.weight.shape  # Conv1D stores [in, out]
-        else:
-            rejected.append(f"{where}: c_attn is {type(c_attn).__name__}, not nn.Linear or "
-                            "Conv1D")
-            return None
-        if out != 3 * C:
-            rejected.append(f"{where}: c_attn maps {C} -> {out} channels, expected 3*{C} = "
-                            f"{3 * C} (fused q, k, v of equal width)")
-            return None
-        H = _lookup_int(module, HEAD_ATTRS)
-        if H is None:
-            raise ValueError(_no_heads(where, "c_attn", module))
-        if C % H != 0:
-            raise ValueError(f"{where}: width {C} is not a multiple of its head count {H}; "
-                             "pass this site explicitly with sites=")
-        return AttentionSite(
-            name=name, module=module, num_heads=H, num_kv_heads=H, head_dim=C // H,
-            d_model=C, q_module=c_attn, kind="gpt2_conv1d" if is_conv1d else "nanogpt",
-            q_slice_of_output=(0, C), wq_source=_rows_of(c_attn, 0, C),
-        )
+    if children.get("c_attn") is not None:
+        return _match_c_attn(name, module, where, rejected)
+    for key in ("query_key_value", "qkv_proj"):
+        if isinstance(children.get(key), nn.Linear):
+            return _match_fused(name, module, key, where, rejected)
+    for names in QKV_NAMES:
+        projs = [children.get(p) for p in names]
+        if any(p is not None for p in projs):
+            return _match_separate(name, module, names, projs, where, rejected)
+    return None
 
-    projs = [children.get(p) for p in ("q_proj", "k_proj", "v_proj")]
-    if all(p is None for p in projs):
+
+def _match_c_attn(name, module, where, rejected) -> AttentionSite | None:
+    c_attn = module._modules["c_attn"]
+    is_conv1d = type(c_attn).__name__ == "Conv1D"
+    if isinstance(c_attn, nn.Linear):
+        C, out = c_attn.in_features, c_attn.out_features
+    elif is_conv1d and getattr(c_attn, "weight", None) is not None and c_attn.weight.dim() == 2:
+        C, out = c_attn.weight.shape  # Conv1D stores [in, out]
+    else:
+        rejected.append(f"{where}: c_attn is {type(c_attn).__name__}, not nn.Linear or "
+                        "Conv1D")
         return None
+    if out != 3 * C:
+        rejected.append(f"{where}: c_attn maps {C} -> {out} channels, expected 3*{C} = "
+                        f"{3 * C} (fused q, k, v of equal width)")
+        return None
+    H = _lookup_int(module, HEAD_ATTRS)
+    if H is None:
+        raise ValueError(_no_heads(where, "c_attn", module))
+    if C % H != 0:
+        raise ValueError(f"{where}: width {C} is not a multiple of its head count {H}; "
+                         "pass this site explicitly with sites=")
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=H, head_dim=C // H,
+        d_model=C, q_module=c_attn, kind="gpt2_conv1d" if is_conv1d else "nanogpt",
+        q_slice_of_output=(0, C), wq_source=_rows_of(c_attn, 0, C),
+        k_module=c_attn, k_index=torch.arange(C, 2 * C),
+    )
+
+
+def _match_fused(name, module, key, where, rejected) -> AttentionSite | None:
+    """One Linear computing q, k and v: GPT-NeoX/Pythia, Bloom, Falcon
+    (`query_key_value`), Phi-3 (`qkv_proj`, [Q | K | V] with grouped K, V)."""
+    qkv = module._modules[key]
+    H = _lookup_int(module, HEAD_ATTRS)
+    if H is None:
+        raise ValueError(_no_heads(where, key, module))
+    Hkv = _lookup_int(module, KV_HEAD_ATTRS)
+    if key == "query_key_value":
+        found = layouts.fused_layout(module, qkv, H, Hkv)
+        if isinstance(found, str):
+            rejected.append(f"{where}: {found}")
+            return None
+        layout, Hkv, D = found
+    else:
+        D = _lookup_int(module, HEAD_DIM_ATTRS) or qkv.in_features // H
+        Hkv = Hkv or H
+        layout = "q"
+        if qkv.out_features != (H + 2 * Hkv) * D:
+            rejected.append(f"{where}: qkv_proj has {qkv.out_features} outputs, expected "
+                            f"[Q | K | V] = (H + 2·Hkv)·D = {(H + 2 * Hkv) * D}")
+            return None
+    q_idx = layouts.q_index(layout, H, Hkv, D)
+    k_idx = layouts.k_index(layout, H, Hkv, D)
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+        d_model=qkv.in_features, q_module=qkv, kind="fused_qkv",
+        q_slice_of_output=None, wq_source=_rows_at(qkv, q_idx), q_index=q_idx,
+        layout=layout, k_module=qkv, k_index=k_idx,
+    )
+
+
+def _match_separate(name, module, names, projs, where, rejected) -> AttentionSite | None:
+    """Separate Q, K, V Linears (HF q_proj/k_proj/v_proj, BERT's query/key/value, T5's
+    q/k/v); q_proj with 2·H·D outputs is Qwen3-Next's gated [q_h | gate_h] per head."""
     if not all(isinstance(p, nn.Linear) for p in projs):
-        kinds = ", ".join(f"{n}={type(p).__name__}" for n, p in
-                          zip(("q_proj", "k_proj", "v_proj"), projs, strict=True))
-        rejected.append(f"{where}: needs q_proj, k_proj, v_proj all nn.Linear, has {kinds}")
+        kinds = ", ".join(f"{n}={type(p).__name__}" for n, p in zip(names, projs, strict=True))
+        rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
         return None
     q_proj, k_proj, v_proj = projs
     H = _lookup_int(module, HEAD_ATTRS)
@@ -406,25 +511,29 @@ def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite |
     if H is None and D is not None and q_proj.out_features % D == 0:
         H = q_proj.out_features // D
     if H is None:
-        raise ValueError(_no_heads(where, "q_proj", module))
+        raise ValueError(_no_heads(where, names[0], module))
     if D is None:
         D = q_proj.out_features // H
     Hkv = _lookup_int(module, KV_HEAD_ATTRS)
     if Hkv is None:
         Hkv = k_proj.out_features // D
-    if (q_proj.out_features != H * D or k_proj.out_features != Hkv * D
+    gated = q_proj.out_features == 2 * H * D
+    if ((q_proj.out_features != H * D and not gated) or k_proj.out_features != Hkv * D
             or v_proj.out_features != Hkv * D or H % Hkv != 0):
         raise ValueError(
             f"{where}: head counts do not fit the projections: num_heads={H}, "
-            f"num_kv_heads={Hkv}, head_dim={D}, but q_proj has {q_proj.out_features} "
-            f"outputs, k_proj {k_proj.out_features}, v_proj {v_proj.out_features}; pass "
-            "this site explicitly with sites={name: dict(num_heads=..., num_kv_heads=..., "
-            "head_dim=..., q_module='q_proj')}"
+            f"num_kv_heads={Hkv}, head_dim={D}, but {names[0]} has {q_proj.out_features} "
+            f"outputs, {names[1]} {k_proj.out_features}, {names[2]} {v_proj.out_features}; "
+            "pass this site explicitly with sites={name: dict(num_heads=..., "
+            f"num_kv_heads=..., head_dim=..., q_module={names[0]!r})}}"
         )
+    layout = "per_head_q_gate" if gated else "q"
+    q_idx = layouts.q_index(layout, H, Hkv, D)
     return AttentionSite(
         name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
-        d_model=q_proj.in_features, q_module=q_proj, kind="hf",
-        q_slice_of_output=(0, H * D), wq_source=_rows_of(q_proj, 0, H * D),
+        d_model=q_proj.in_features, q_module=q_proj, kind="gated_q" if gated else "hf",
+        q_slice_of_output=None, wq_source=_rows_at(q_proj, q_idx), q_index=q_idx,
+        layout=layout, k_module=k_proj, k_index=torch.arange(Hkv * D),
     )
 
 
@@ -486,6 +595,21 @@ def _rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.T
         return _weight_of(q_module)[start:stop]
 
     rows.rows_of = (q_module, start, stop)
+    return rows
+
+
+def _rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`_rows_of` for output channels `index` ([n] int64): a contiguous run keeps the
+    view (and `rows_of`); an interleaved one is gathered (a copy) on every call."""
+    run = layouts.as_slice(index)
+    if run is not None:
+        return _rows_of(q_module, *run)
+
+    def rows() -> torch.Tensor:
+        w = _weight_of(q_module)
+        return w.index_select(0, index.to(w.device))
+
+    rows.rows_index = (q_module, index)
     return rows
 
 
@@ -581,6 +705,31 @@ def _as_slice(value: Any, where: str) -> tuple[int, int]:
         raise ValueError(f"{where}: q_slice_of_output must be (start, stop) with "
                          f"0 <= start < stop, got {value!r}")
     return int(value[0]), int(value[1])
+
+
+def _as_index(value: Any, size: int, where: str) -> torch.Tensor:
+    """A channel index as a 1-D int64 CPU tensor of `size` distinct non-negative ints."""
+    try:
+        index = torch.as_tensor(value).to("cpu")
+    except Exception as e:
+        raise TypeError(f"{where}: a channel index must be a 1-D int tensor or list, got "
+                        f"{type(value).__name__}") from e
+    if index.dtype.is_floating_point or index.dtype == torch.bool or index.dim() != 1 \
+            or index.numel() != size or (index.numel() and int(index.min()) < 0) \
+            or torch.unique(index).numel() != index.numel():
+        raise ValueError(f"{where}: a channel index must hold {size} distinct non-negative "
+                         f"ints (heads × head_dim, head-major), got {_describe(value)}")
+    return index.long()
+
+
+def q_rows(site: AttentionSite, t: torch.Tensor) -> torch.Tensor:
+    """The Q channels of a tensor laid out like q_module's outputs on dim 0 (its weight
+    in nn.Linear orientation, or that weight's gradient), head-major [H * D, ...]: a
+    slice (a view) for a contiguous layout, an index_select (a copy) for interleaved ones."""
+    if site.q_slice_of_output is not None:
+        a, b = site.q_slice_of_output
+        return t[a:b]
+    return t.index_select(0, site.q_index.to(t.device))
 
 
 def _check_disjoint(sites: list[AttentionSite]) -> None:

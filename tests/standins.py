@@ -308,3 +308,85 @@ def leaning_dispatch(real, bias: float):
         return out + (bias * lean * out.detach().abs()).detach()
 
     return leaning
+
+
+# --- tiny Hugging Face models, random init from config classes (no download) ----------
+# transformers is imported inside: the stand-ins above stay free of it.
+
+HF_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+
+
+def hf_tiny(arch: str, seed: int = 0):
+    """(model, kind) for `arch` in HF_ARCHS: 2 layers, width 32, 4 heads; kind is
+    "causal" (input_ids), "encoder" (input_ids), "seq2seq" (input_ids and
+    decoder_input_ids) or "vision" (pixel_values 16×16, 4×4 patches)."""
+    import transformers as T
+
+    spec = HF_ARCHS[arch]
+    cfg_cls, model_cls, kind, extra = spec
+    cfg = getattr(T, cfg_cls)(**{**_common(arch), **extra})
+    torch.manual_seed(seed)
+    return getattr(T, model_cls)(cfg).eval(), kind
+
+
+def _common(arch: str) -> dict:
+    if arch in ("gpt2",):
+        return dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    if arch in ("t5",):
+        return dict(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    if arch in ("bart",):
+        return dict(vocab_size=64, d_model=32, encoder_layers=2, decoder_layers=2,
+                    encoder_attention_heads=4, decoder_attention_heads=4,
+                    encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+    if arch in ("opt",):
+        return dict(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32)
+    if arch in ("vit",):
+        return dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, image_size=16, patch_size=4)
+    return dict(HF_COMMON)
+
+
+HF_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "causal", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "causal",
+                dict(num_key_value_heads=2, sliding_window=8)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "causal", dict(num_key_value_heads=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "causal",
+              dict(num_key_value_heads=2, head_dim=8)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "causal",
+                   dict(num_key_value_heads=2, head_dim=8, layer_types=["full_attention"] * 2,
+                        num_experts=0, mlp_only_layers=[0, 1])),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "causal",
+               dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "causal",
+               dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "causal",
+             dict(num_key_value_heads=2, pad_token_id=0)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", "causal", dict(rotary_pct=0.5)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", "causal",
+               dict(new_decoder_architecture=False, multi_query=False)),
+    "falcon_mq": ("FalconConfig", "FalconForCausalLM", "causal",
+                  dict(new_decoder_architecture=False, multi_query=True)),
+    "falcon_new": ("FalconConfig", "FalconForCausalLM", "causal",
+                   dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", "causal", dict(n_head=4)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "causal", dict()),
+    "opt": ("OPTConfig", "OPTForCausalLM", "causal", dict()),
+    "bert": ("BertConfig", "BertModel", "encoder", dict()),
+    "vit": ("ViTConfig", "ViTModel", "vision", dict()),
+    "t5": ("T5Config", "T5Model", "seq2seq", dict()),
+    "bart": ("BartConfig", "BartModel", "seq2seq", dict()),
+}
+
+
+def hf_inputs(kind: str, B: int = 2, N: int = 12, seed: int = 0) -> dict:
+    """Model inputs for hf_tiny's `kind`, from a private generator."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 64, (B, N), generator=g)
+    if kind == "vision":
+        return dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g))
+    if kind == "seq2seq":
+        return dict(input_ids=ids, decoder_input_ids=ids.flip(1))
+    return dict(input_ids=ids)

@@ -1,0 +1,62 @@
+"""Attention layers that never call SDPA, found when the watcher attaches.
+
+flashwatch measures and routes a layer's F.scaled_dot_product_attention calls (and
+calls to flashwatch.attention). A layer that computes softmax(QKᵀ)V itself never makes
+one: its reports would hold NaN max logits and no δ rows, and QK-clip would never fire.
+Hugging Face layers say which function they call through `config._attn_implementation`:
+"sdpa" calls SDPA (transformers' integrations/sdpa_attention.py); "eager" computes
+matmul + softmax in the modeling module (`eager_attention_forward`), "flash_attention_*"
+and "flex_attention" call their own kernels. Some classes never call it whatever the
+setting (Bloom: baddbmm with ALiBi, then softmax).
+
+Measuring such a layer would need the probe to recompute exactly what that function
+computes (Gemma2's eager path applies logit softcapping, tanh(s / c)·c, which SDPA
+cannot), so these layers are refused by name at attach, with the fix: load the model
+with attn_implementation="sdpa" where transformers supports it for that model.
+Hand-written attention that no attribute reveals is caught at the first monitored step
+instead (the watcher's "made no attention call flashwatch saw" warning).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+# Attention classes whose forward computes attention itself, whatever the config says.
+NEVER_SDPA = {"BloomAttention": "it computes baddbmm(ALiBi, Q, Kᵀ) and a softmax itself"}
+
+
+def no_sdpa_reason(module: nn.Module) -> str | None:
+    """Why `module` (an attention layer) makes no SDPA call flashwatch can see, or None
+    when nothing says so."""
+    cls = type(module).__name__
+    for base in type(module).__mro__:  # a watched class is a subclass of the original
+        if base.__name__ in NEVER_SDPA:
+            return f"{base.__name__}: {NEVER_SDPA[base.__name__]}, never SDPA"
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if not isinstance(impl, str) or impl == "sdpa":
+        return None
+    softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
+        config, "attn_logit_softcapping", None)
+    why = f'{cls} runs attn_implementation="{impl}", which calls no SDPA'
+    if softcap:
+        return (f"{why}, and its logits are softcapped (tanh(s / {softcap})·{softcap}), "
+                "which SDPA cannot compute: this layer cannot be measured")
+    return f'{why}; load the model with attn_implementation="sdpa" to watch it'
+
+
+def refuse_no_sdpa(sites) -> None:
+    """ValueError naming every site whose layer makes no SDPA call (`no_sdpa_reason`)."""
+    bad = [(s.name, r) for s in sites if (r := no_sdpa_reason(s.module)) is not None]
+    if not bad:
+        return
+    lines = [f"  - {name}: {reason}" for name, reason in bad[:8]]
+    if len(bad) > 8:
+        lines.append(f"  - ... and {len(bad) - 8} more")
+    raise ValueError(
+        f"flashwatch cannot measure {len(bad)} attention layer(s): it sees "
+        "F.scaled_dot_product_attention calls, and these make none:\n" + "\n".join(lines)
+        + '\nLoad the model with attn_implementation="sdpa" (e.g. '
+        'AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa")), or pass '
+        "sites= without these layers."
+    )
