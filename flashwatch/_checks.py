@@ -1,0 +1,52 @@
+"""Small helpers every module shares: argument checks and "log this once".
+
+    check_int("top_k", top_k, min=0, hint="0 = no worst-head keys")
+    check_bool("log_per_head", log_per_head)
+    log_once(log, self._logged, "sink", "flashwatch: %s failed", what, level=logging.ERROR)
+
+A bool is not accepted as an int (True is an int to Python, never a count to a user).
+Messages name the argument, the bad value and what to pass instead (the house rule).
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+def check_int(name: str, value, *, min: int | None = None, max: int | None = None,
+              hint: str = "") -> int:
+    """`value` if it is an int (not a bool) within [min, max]; else TypeError (not an
+    int) or ValueError (out of range) naming `name`, the value and the range. `hint`,
+    when given, ends the message (e.g. the default, or what 0 means)."""
+    want = "an int" + (f" ≥ {min}" if min is not None and max is None else "") + (
+        f" in [{min}, {max}]" if min is not None and max is not None else "") + (
+        f" ≤ {max}" if max is not None and min is None else "")
+    tail = f"; {hint}" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__}){tail}")
+    if (min is not None and value < min) or (max is not None and value > max):
+        raise ValueError(f"{name} must be {want}, got {value!r}{tail}")
+    return value
+
+
+def check_bool(name: str, value, *, hint: str = "") -> bool:
+    """`value` if it is a bool; else TypeError naming `name` and the value (1 and "yes"
+    are refused: a flag passed as something else is usually a misplaced argument)."""
+    if not isinstance(value, bool):
+        tail = f"; {hint}" if hint else ""
+        raise TypeError(f"{name} must be True or False, got {value!r} "
+                        f"({type(value).__name__}){tail}")
+    return value
+
+
+def log_once(logger: logging.Logger, seen: set, key, msg: str, *args,
+             level: int = logging.WARNING, exc_info=None) -> bool:
+    """Log `msg % args` at `level` unless `key` is already in `seen`; add it. Returns
+    whether it logged. `seen` belongs to the caller, so "once" means once per that owner
+    (a watcher, a layer, a callback), not once per process: a second watcher in the same
+    process still says what is wrong with it."""
+    if key in seen:
+        return False
+    seen.add(key)
+    logger.log(level, msg, *args, exc_info=exc_info)
+    return True

@@ -1,0 +1,50 @@
+"""flashwatch/_checks.py: the shared argument checks and the log-once helper."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from flashwatch._checks import check_bool, check_int, log_once
+
+
+@pytest.mark.parametrize("value,kw,exc,text", [
+    (True, {}, TypeError, r"top_k must be an int, got True \(bool\)"),
+    (2.0, {"min": 0}, TypeError, r"top_k must be an int ≥ 0, got 2.0 \(float\)"),
+    ("3", {}, TypeError, r"got '3' \(str\)"),
+    (-1, {"min": 0}, ValueError, r"top_k must be an int ≥ 0, got -1$"),
+    (70000, {"min": 0, "max": 65535}, ValueError, r"must be an int in \[0, 65535\], got 70000"),
+    (6, {"max": 5}, ValueError, r"must be an int ≤ 5, got 6"),
+    (-1, {"min": 0, "hint": "0 = none"}, ValueError, r"got -1; 0 = none$"),
+])
+def test_check_int_refuses_with_the_name_the_value_and_the_range(value, kw, exc, text):
+    with pytest.raises(exc, match=text):
+        check_int("top_k", value, **kw)
+
+
+def test_check_int_accepts_the_bounds_themselves():
+    assert check_int("n", 0, min=0) == 0
+    assert check_int("n", 65535, min=0, max=65535) == 65535
+    assert check_int("n", -7) == -7  # no bounds: any int
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_check_bool_refuses_everything_but_a_bool(value):
+    with pytest.raises(TypeError, match=rf"flag must be True or False, got {value!r}"):
+        check_bool("flag", value)
+    assert check_bool("flag", False) is False
+
+
+def test_log_once_logs_once_per_key_and_per_owner(caplog):
+    log = logging.getLogger("flashwatch.test_checks")
+    mine, other = set(), set()
+    with caplog.at_level(logging.INFO, logger=log.name):
+        results = [log_once(log, mine, "a", "first %s", 1),
+                   log_once(log, mine, "a", "first %s", 2),  # same key, same owner: quiet
+                   log_once(log, mine, ("b", 1), "second", level=logging.ERROR),
+                   log_once(log, other, "a", "other owner")]
+    assert results == [True, False, True, True]
+    assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
+        (logging.WARNING, "first 1"), (logging.ERROR, "second"), (logging.WARNING, "other owner")]
+    assert mine == {"a", ("b", 1)}
