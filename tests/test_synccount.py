@@ -1,0 +1,187 @@
+"""flashwatch/synccount.py: each rule counts exactly one sync on a minimal snippet, host
+tensors and on-device arithmetic count none, and events name the line they came from."""
+
+import numpy as np
+import pytest
+import torch
+
+from flashwatch import smallops
+from flashwatch.synccount import DEVICE, SyncCounter
+
+
+@pytest.fixture
+def dev():
+    """Two device tensors (x float [4, 3], m bool [4]) and a host tensor h [4]."""
+    x = torch.randn(4, 3)
+    m = torch.tensor([True, False, True, False])
+    return x, m, torch.arange(4)
+
+
+def _count(fn, *device):
+    with SyncCounter(device=list(device)) as sc:
+        fn()
+    return sc
+
+
+ONE_SYNC = {  # name: (kind, snippet over (x, m, h))
+    "item": ("item", lambda x, m, h: x.sum().item()),
+    "bool": ("item", lambda x, m, h: bool(x[0, 0] > 0)),
+    "float": ("item", lambda x, m, h: float(x[0, 0])),
+    "cpu": ("d2h", lambda x, m, h: x.cpu()),
+    "to_cpu": ("d2h", lambda x, m, h: x.to("cpu")),
+    "to_cpu_dtype": ("d2h", lambda x, m, h: x.to("cpu", torch.float64)),
+    "to_host_tensor": ("d2h", lambda x, m, h: x.to(h)),
+    "numpy": ("d2h", lambda x, m, h: x.numpy()),
+    "asarray": ("d2h", lambda x, m, h: np.asarray(x)),
+    "tolist": ("d2h", lambda x, m, h: x.tolist()),
+    "copy_into_host": ("d2h", lambda x, m, h: torch.empty(4, 3).copy_(x)),
+    "h2d_to": ("h2d", lambda x, m, h: h.to(x.device)),
+    "h2d_to_tensor": ("h2d", lambda x, m, h: h.to(x)),
+    "h2d_copy": ("h2d", lambda x, m, h: x[:, 0].copy_(h)),
+    "h2d_tensor": ("h2d", lambda x, m, h: torch.tensor([1.0, 2.0], device=x.device)),
+    "h2d_index": ("h2d", lambda x, m, h: x[h[:2]]),
+    "nonzero": ("nonzero", lambda x, m, h: m.nonzero()),
+    "where": ("nonzero", lambda x, m, h: torch.where(m)),
+    "mask_index": ("bool_mask", lambda x, m, h: x[m]),
+    "mask_put": ("bool_mask", lambda x, m, h: x.__setitem__(m, torch.zeros(2, 3,
+                                                                          device=x.device))),
+    "masked_select": ("bool_mask", lambda x, m, h: x[:, 0].masked_select(m)),
+    "unique": ("data_size", lambda x, m, h: torch.unique(m)),
+    "repeat_interleave": ("data_size", lambda x, m, h: torch.repeat_interleave(m.long())),
+    "equal": ("data_size", lambda x, m, h: torch.equal(x, x)),
+    "eigh": ("linalg", lambda x, m, h: torch.linalg.eigh(x.T @ x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_SYNC))
+def test_each_rule_counts_one(dev, name):
+    kind, fn = ONE_SYNC[name]
+    x, m, h = dev
+    sc = _count(lambda: fn(x, m, h), x, m)
+    assert dict(sc.counts) == {kind: 1}, sc.table()
+    assert sc.total == 1 and len(sc.events) == 1
+    assert sc.mismatches == []
+
+
+@pytest.mark.parametrize("name", sorted(ONE_SYNC))
+def test_same_snippet_on_host_counts_none(dev, name):
+    """Nothing marked: every tensor is host memory, and reading it costs no sync."""
+    x, m, h = dev
+    sc = _count(lambda: ONE_SYNC[name][1](x, m, h))
+    assert sc.total == 0, sc.table()
+
+
+def test_on_device_arithmetic_counts_none(dev):
+    x, m, h = dev
+    w = torch.randn(3, 5, requires_grad=True)
+
+    def step():
+        y = torch.relu(x @ w).softmax(-1)
+        z = torch.zeros(4, 5, device=x.device) + y * m[:, None]  # a factory on the device
+        (z.sum() + torch.tensor(2.0)).backward()  # a 0-dim host tensor is a scalar
+        x.masked_fill(m[:, None], 0.0)
+        x[m] = 0.0  # a one-element host value: CUDA's masked_fill path
+        torch.repeat_interleave(x, 2, dim=0)
+        torch.repeat_interleave(x, m.long(), dim=0, output_size=2)
+        idx = torch.arange(2, device=x.device)
+        x[idx], x.index_select(0, idx), x.double().float(), x.to(x.device)
+        h.float().mean().item()  # host tensors: free
+
+    sc = _count(step, x, m, w)
+    assert sc.total == 0, sc.table()
+    assert sc.mismatches == []
+    assert w.grad is not None and sc.on_device(w.grad)
+
+
+def test_device_reads_as_marker_and_placement_follows(dev):
+    x, m, h = dev
+    with SyncCounter(device=[x]) as sc:
+        assert x.device == DEVICE and h.device == torch.device("cpu")
+        assert x.device.type == "cpu"  # CPU code paths stay as they are
+        y = (x * 2).view(-1)
+        assert sc.on_device(y) and not sc.on_device(h)
+        moved = h.to(x.device, non_blocking=True)  # not blocking: no count
+        assert sc.on_device(moved)
+        back = x.cpu()
+        assert back is not x and not sc.on_device(back) and sc.on_device(x)
+    assert dict(sc.counts) == {"d2h": 1}
+    assert x.device == torch.device("cpu")  # outside the counter: the real device
+
+
+def test_modules_optimizers_and_step_counters():
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(lin.parameters())
+    lin(torch.randn(1, 3)).sum().backward()
+    opt.step()
+    x = torch.randn(5, 3)
+    with SyncCounter(device=[lin, opt, x]) as sc:
+        for _ in range(2):
+            lin(x).pow(2).mean().backward()
+            opt.step()  # AdamW's step counters stay on the host, as on CUDA
+            opt.zero_grad()
+    assert sc.total == 0, sc.table()
+    assert sc.mismatches == []
+    assert all(sc.on_device(v) for s in opt.state.values() for k, v in s.items()
+               if k != "step")
+
+
+def test_events_name_the_line_and_reset(dev):
+    x, m, h = dev
+    with SyncCounter(device=[x], where=[__file__.rsplit("/", 1)[0]]) as sc:
+        x.sum().item()
+        x.sum().item()
+        x.tolist()
+    assert sc.counts == {"item": 2, "d2h": 1}
+    kinds = [e[0] for e in sc.events]
+    assert kinds == ["item", "item", "d2h"]
+    assert all("test_synccount.py" in e[2] and "test_events_name" in e[2] for e in sc.events)
+    lines = sc.table().splitlines()
+    assert lines[0].split()[0] == "1" or lines[0].split()[0] == "2"
+    assert len(lines) == 3  # the two item() calls are on different lines
+    sc.reset()
+    assert sc.total == 0 and sc.events == []
+
+
+def test_mismatch_listed_not_counted(dev):
+    x, m, h = dev
+    sc = _count(lambda: x[:, 0] + h.float(), x)
+    assert sc.total == 0
+    assert len(sc.mismatches) == 1 and "add" in sc.mismatches[0][0]
+
+
+def test_numpy_path_off_while_counting():
+    before = smallops.NUMPY_CPU
+    with SyncCounter():
+        assert smallops.NUMPY_CPU is False
+    assert smallops.NUMPY_CPU == before
+
+
+def test_bad_device_argument():
+    with pytest.raises(TypeError, match="device="):
+        SyncCounter(device=["cuda"])
+
+
+def test_backward_hooks_are_counted():
+    """The autograd engine runs hooks without the caller's torch-function modes: a
+    gradient moved to the host in a hook must still count (the watcher does this)."""
+    lin = torch.nn.Linear(3, 4)
+    x = torch.randn(2, 3)
+    seen = []
+
+    def hook(p):
+        seen.append(p.grad.device)
+        p.grad[:2].square().sum().double().cpu()
+
+    lin.weight.register_post_accumulate_grad_hook(hook)
+    with SyncCounter(device=[lin, x]) as sc:
+        lin(x).sum().backward()
+    assert dict(sc.counts) == {"d2h": 1}
+    assert seen == [DEVICE]
+
+
+def test_one_counter_at_a_time():
+    with SyncCounter():
+        with pytest.raises(RuntimeError, match="one at a time"):
+            SyncCounter().__enter__()
+    with SyncCounter() as sc:  # the failed one left nothing behind
+        assert sc.total == 0
