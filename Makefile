@@ -2,6 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The venv gets the core and every extra ([all]: lightning, report, transformers) plus
+# the dev tools, so `make test` runs every integration's tests and `make demo` can plot.
 # torch is pinned here (not in pyproject) so CI gets the CPU wheel that lies on this
 # machine's disk; anywhere else pip fetches the same version from PyPI.
 TORCH_PIN ?= torch==2.13.0
@@ -19,7 +21,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV) || { $(MAKE) --no-print-directory apt PKG=python3-venv \
 		&& $(PY) -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)" "$(TRITON_PIN)" -e ".[dev]"
+	$(BIN)/pip install -q "$(TORCH_PIN)" "$(TRITON_PIN)" -e ".[all,dev]"
 	touch $@
 
 install: $(BIN)/.installed

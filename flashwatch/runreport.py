@@ -63,7 +63,11 @@ def _label(head) -> str:
 
 
 def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as e:  # an extra: the core install has no plotting library
+        raise ImportError("flashwatch report draws its plots with matplotlib, which is not "
+                          "installed: pip install 'flashwatch[report]'") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
