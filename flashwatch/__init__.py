@@ -2,10 +2,12 @@
 
 Public API (names fixed by docs/design.md §3): `attention`, `Mode`, `AttentionStats`,
 `watch`, `Watcher`, `WatchConfig`, `StepReport` (with `HeadRecord`, `Event`), and the
-sinks in `flashwatch.sinks`.
+sinks in `flashwatch.sinks`; `diagnose` measures a saved model's heads offline
+(docs/diagnose.md).
 """
 
 from flashwatch.config import WatchConfig
+from flashwatch.diagnose import diagnose
 from flashwatch.dispatch import attention
 from flashwatch.kernels.common import AttentionStats, Mode
 from flashwatch.report import Event, HeadRecord, StepReport
@@ -15,5 +17,5 @@ from flashwatch.watcher import Watcher, watch
 __version__ = "0.1.0"
 
 __all__ = ["AttentionSite", "AttentionStats", "Event", "HeadRecord", "Mode", "StepReport",
-           "WatchConfig", "Watcher", "attention", "find_sites", "make_site", "watch",
+           "WatchConfig", "Watcher", "attention", "diagnose", "find_sites", "make_site", "watch",
            "__version__"]

@@ -1,4 +1,4 @@
-"""The `flashwatch` command line: `demo`, `report`, `info`."""
+"""The `flashwatch` command line: `demo`, `report`, `diagnose`, `info`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ def _report(args: argparse.Namespace) -> int:
         written = make_report(args.run_dir, args.out)
     except (FileNotFoundError, ValueError) as e:
         print(f"flashwatch report: error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from flashwatch.diagnose_cli import run_diagnose
+
+    try:
+        written = run_diagnose(args)
+    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+        print(f"flashwatch diagnose: error: {e}", file=sys.stderr)
         return 2
     for p in written:
         print(p)
@@ -104,6 +117,31 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path, help="directory with flashwatch.jsonl")
     report.add_argument("--out", type=Path, default=None, help="where to write (RUN_DIR)")
     report.set_defaults(func=_report)
+
+    diag = sub.add_parser(
+        "diagnose", help="name the attention heads that look like the BF16 failure, exactly",
+        description="Measure every attention head of saved checkpoints exactly (FP64, every "
+                    "row of the given batches): ties, max logit, the δ error's share of the "
+                    "W^Q gradient, its sign across batches, W^Q norms, what QK-clip would do; "
+                    "rank the heads and write report.md, diagnose.json and plots "
+                    "(docs/diagnose.md).")
+    diag.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
+                      help="Hugging Face model directory, nanoGPT ckpt.pt or module:function; "
+                           "several: oldest first, for growth between them")
+    diag.add_argument("--data", required=True,
+                      help="token ids (.bin uint16 as nanoGPT writes, .npy, .pt) or a text file")
+    diag.add_argument("--batches", type=_positive, default=8, help="batches to measure (8)")
+    diag.add_argument("--batch-size", type=_positive, default=1, help="rows per batch (1)")
+    diag.add_argument("--block", type=_positive, default=None,
+                      help="tokens per row (the model's context, at most 1024)")
+    diag.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                      help="autocast dtype the model trains in (bfloat16); float32: none")
+    diag.add_argument("--device", default=None, help="cuda if available, else cpu")
+    diag.add_argument("--tau", type=float, default=100.0, help="QK-clip threshold τ (100)")
+    diag.add_argument("--seed", type=int, default=0, help="seed for the batch windows")
+    diag.add_argument("--out", type=Path, default=None,
+                      help="output directory (default runs/diagnose-<time>)")
+    diag.set_defaults(func=_diagnose)
 
     info = sub.add_parser("info", help="print versions and the available backends")
     info.set_defaults(func=_info)
