@@ -16,7 +16,7 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import qkclip
 from flashwatch.sites import find_sites
-from standins import LlamaConfig, TinyGPT2, TinyLlama
+from standins import LlamaConfig, TinyGPT2, TinyLlama, hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,7 +154,10 @@ def test_clip_brings_the_max_logit_to_tau_and_leaves_other_heads_alone(kind):
     w = fw.watch(model, every_n_steps=1, route_all=True, mitigation="auto",
                  qk_clip_threshold=TAU)
     report = _one_step(model, w, x)
+    clipped_state = {k: v.clone() for k, v in model.state_dict().items()}
+    confirming = _one_step(model, w, x)  # the next measurement sees the clips
     w.remove()
+    model.load_state_dict(clipped_state)
     m1 = site_max_logits(sites, inputs)  # each layer on the same input as before
     for site, a, b in zip(sites, m0, m1, strict=True):
         H, group = site.num_heads, site.num_heads // site.num_kv_heads
@@ -175,10 +178,13 @@ def test_clip_brings_the_max_logit_to_tau_and_leaves_other_heads_alone(kind):
                 want = torch.cat([over, k_over, torch.zeros(H, dtype=torch.bool)])
             assert torch.equal(touched, want), (site.name, name, touched, want)
     events = [e for e in report.events if e.kind == "qk_clip"]
-    assert len(events) == report.qk_clips_total == 3
-    assert {(e.layer, e.head) for e in events} == {
-        (s.name, h) for s, heads in zip(sites, BOOSTED, strict=True) for h in heads}
+    clipped = {(s.name, h) for s, heads in zip(sites, BOOSTED, strict=True) for h in heads}
+    assert len(events) == 3 and report.qk_clips_total == 0  # applied, not yet confirmed
+    assert {(e.layer, e.head) for e in events} == clipped
     assert all(e.applied and "τ 4" in e.reason and "η = " in e.reason for e in events)
+    confirmed = [e for e in confirming.events if e.reason.startswith("[qk_clip confirmed]")]
+    assert {(e.layer, e.head) for e in confirmed} == clipped and all(e.applied for e in confirmed)
+    assert confirming.qk_clips_total == 3
 
 
 def test_clip_scales_the_bias_with_its_rows():
@@ -287,7 +293,8 @@ def test_state_dict_resume_is_exact():
 
     model, opt, w = fresh()
     _train(model, w, opt, 12, seed=0)
-    assert w.state_dict()["qk_clip"]["clips"].sum() > 5
+    assert sum(e.applied and e.reason.startswith("[qk_clip] max") for e in w.events) > 5
+    assert w.state_dict()["qk_clip"]["clips"].sum() > 2
     a, oa, wa = fresh()
     _train(a, wa, oa, 5, seed=0)
     ckpt = {"model": a.state_dict(), "opt": oa.state_dict(), "fw": wa.state_dict()}
@@ -449,3 +456,82 @@ def test_clip_events_reach_the_sinks_and_the_run_report(tmp_path):
     md = runreport._markdown(runreport.load_run(tmp_path))
     assert "## QK-clips" in md and "None: no head was flagged" in md  # clips are no modes
     assert md.count("| transformer.h.") == 3
+
+
+def _hf_steps(model, w, inputs, steps):
+    reports = []
+    for _ in range(steps):
+        out = model(**inputs, labels=inputs["input_ids"])
+        out.loss.backward()
+        model.zero_grad()
+        reports.append(w.step())
+    return reports
+
+
+def test_qk_norm_layers_are_refused_and_left_alone(caplog):
+    """Qwen3's q_norm/k_norm undo any scaling of W^Q, W^K (issue 28: 240 clips in 30
+    steps, W^Q 25× smaller, max logit unmoved): refused once per head, never scaled."""
+    model, kind = hf_tiny("qwen3")
+    inputs = hf_inputs(kind, B=2, N=12)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    w = fw.watch(model, every_n_steps=1, mitigation="auto", qk_clip_threshold=0.05)
+    reports = _hf_steps(model, w, inputs, 3)
+    w.remove()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    events = [e for r in reports for e in r.events if e.kind == "qk_clip"]
+    assert events and not any(e.applied for e in events)
+    assert all("q_norm" in e.reason and "k_norm" in e.reason for e in events)
+    assert len({(e.layer, e.head) for e in events}) == len(events)  # once per head
+    assert reports[-1].qk_clips_total == 0
+    assert sum("undoes any scaling" in r.message for r in caplog.records) == 2  # per layer
+
+
+def test_a_clip_without_effect_is_not_counted_and_stops(monkeypatch):
+    """A planted clip that changes nothing (scale_site does nothing): the next
+    measurement does not confirm it, it is not counted, and the head is not clipped
+    again once its clips should have halved its logits."""
+    torch.manual_seed(0)
+    model = _gpt()
+    x = _batch(model)
+    _boost(model, x)
+    monkeypatch.setattr(qkclip, "scale_site", lambda *a, **k: None)
+    w = fw.watch(model, every_n_steps=1, route_all=True, mitigation="auto",
+                 qk_clip_threshold=TAU)
+    reports = [_one_step(model, w, x) for _ in range(3)]
+    w.remove()
+    kinds = [[e.reason.split("]")[0] + "]" for e in r.events if e.kind == "qk_clip"]
+             for r in reports]
+    assert kinds[0] == ["[qk_clip]"] * 3  # three clips applied
+    assert kinds[1] == ["[qk_clip not confirmed]"] * 3  # η ≈ 1/6: stopped at once
+    assert kinds[2] == []  # stopped heads are not clipped again
+    assert all(r.qk_clips_total == 0 for r in reports)
+    assert all("stops clipping" in e.reason and not e.applied for e in reports[1].events
+               if e.kind == "qk_clip")
+
+
+def test_confirm_rule_pending_and_state():
+    torch.manual_seed(0)
+    sites = find_sites(TinyLlama(LlamaConfig()))
+    clip = qkclip.QKClip(fw.WatchConfig(mitigation="auto", qk_clip_threshold=TAU), sites)
+    modes = torch.zeros(8, dtype=torch.int32)
+    m0 = torch.tensor([8.0, 2, 2, 2, 10, 2, 2, 12])
+    assert len(clip.apply(0, m0, modes)) == 3
+    # needed ≤ max(τ, m0 - ½(m0 - τ)): 6 for head 0, 7 for head 4, 8 for head 7
+    m1 = torch.tensor([6.0, 2, 2, 2, 7.5, 2, 2, math.nan])
+    ok, bad = clip.confirm(m1, step=1)
+    assert [(e.layer, e.head, e.step) for e in ok] == [(sites[0].name, 0, 1)]
+    assert [(e.layer, e.head) for e in bad] == [(sites[1].name, 0)]
+    assert clip.total == 1 and clip.pending[7] == 12  # unmeasured: still pending
+    sd = clip.state_dict()
+    again = qkclip.QKClip(clip.config, sites)
+    again.load_state_dict(sd)
+    assert again.total == 1 and again.pending[7] == 12
+    ok, bad = again.confirm(torch.tensor([2.0] * 7 + [3.9]), step=2)
+    assert [(e.layer, e.head) for e in ok] == [(sites[1].name, 3)] and again.total == 2
+    # head 4's clip scaled its logits by 0.4 ≤ ½ and 7.5 > sqrt(0.4)·10: it stops
+    assert clip.stopped.nonzero().flatten().tolist() == [4]
+    with pytest.raises(ValueError, match="pending"):
+        again.load_state_dict({**sd, "pending": torch.zeros(3)})
+    old = qkclip.QKClip(clip.config, sites)
+    old.load_state_dict({"clips": sd["clips"]})  # a state from before confirmation
+    assert old.total == 1 and torch.isnan(old.pending).all()
