@@ -1,0 +1,275 @@
+"""Compatibility: tiny Hugging Face models of many architectures (random init from their
+config classes, no download) × {FP32, BF16, BF16 autocast}.
+
+Per architecture and recipe: discovery; `attention_max_logit` against FP64 scores
+computed here from the q, k (and mask) each SDPA call received, captured by our own
+TorchFunctionMode; `wq_spectral_norm` against the per-head W^Q slice read from the
+weight as the modeling code splits it (TRUE_WQ); and head modes set on a layer either
+run (output within BF16 rounding of SDPA's: the 2× rule against an FP64 copy of the
+model) or are reported unmitigable. Architectures flashwatch refuses are checked to be
+refused with a message naming why.
+
+docs/compatibility.md is this file's table: FLASHWATCH_WRITE_COMPAT=1 rewrites it, and
+`test_the_committed_table_is_current` fails when it differs from what the suite finds.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import flashwatch as fw
+from flashwatch import Mode
+from flashwatch.qkclip import qk_norm
+from standins import HF_ARCHS, hf_inputs, hf_tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_next", "gemma2", "gemma3", "phi3",
+         "gpt_neox", "falcon", "falcon_new", "bloom", "gpt2", "opt", "bert", "vit", "t5",
+         "bart"]
+RECIPES = ["fp32", "bf16", "autocast"]
+# Known: flashwatch/distributed.py's wq_grad_sq slices q_slice_of_output, which is None
+# for interleaved Q layouts, so their ‖dW^Q_h‖² (delta_error_share) fails once per layer
+# and step, counted. Until it reads the Q channels with sites.q_rows, these counts are
+# expected exactly; test_interleaved_layouts_count_no_error says when that is fixed.
+INTERLEAVED = ("qwen3_next", "gpt_neox", "falcon", "falcon_new")
+TABLE = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
+
+
+def _split(w, H, parts, D):  # [out, C] viewed per head: [H, parts, D, C]
+    return w.view(H, parts, D, -1)
+
+
+# W^Q per head [H, D, C] as each modeling_*.py splits its projection (written from the
+# modeling code, not from flashwatch/layouts.py).
+TRUE_WQ = {
+    "gpt_neox": lambda a: _split(a.query_key_value.weight, 4, 3, 8)[:, 0],
+    "falcon": lambda a: _split(a.query_key_value.weight, 4, 3, 8)[:, 0],
+    "falcon_new": lambda a: a.query_key_value.weight.view(2, 4, 8, -1)[:, :2].reshape(4, 8, -1),
+    "bloom": lambda a: _split(a.query_key_value.weight, 4, 3, 8)[:, 0],
+    "phi3": lambda a: a.qkv_proj.weight[:32].view(4, 8, -1),
+    "qwen3_next": lambda a: a.q_proj.weight.view(4, 16, -1)[:, :8],
+    "gpt2": lambda a: a.c_attn.weight[:, :32].T.reshape(4, 8, -1),
+    "bert": lambda a: a.query.weight.view(4, 8, -1),
+    "t5": lambda a: a.q.weight.view(4, 8, -1),
+}
+
+
+def _true_wq(arch, attn):
+    return TRUE_WQ.get(arch, lambda a: a.q_proj.weight.view(4, 8, -1))(attn)
+
+
+class Scores(TorchFunctionMode):
+    """FP64 max logit per head of every SDPA call, keyed by the running watched layer:
+    scale·q·kᵀ, causal and bool masks as -inf, float masks added (as SDPA does), with
+    q and k cast as autocast casts SDPA's inputs."""
+
+    def __init__(self, modules):
+        super().__init__()
+        self.current, self.max = [None], {}
+        self.handles = [m.register_forward_pre_hook(
+            lambda mod, a, n=n: self.current.__setitem__(0, n)) for n, m in modules.items()]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.current[0] is not None:
+            self._record(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):
+            dt = torch.get_autocast_dtype("cpu")
+            q, k = q.to(dt), k.to(dt)
+        q, k = q.double(), k.double()
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        if is_causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool \
+                else s + attn_mask.double()
+        m = s.amax((0, 2, 3))
+        name = self.current[0]
+        self.max[name] = torch.maximum(self.max[name], m) if name in self.max else m
+
+
+def _loss(out):
+    t = out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+    return t.float().square().mean()
+
+
+def _forward(model, inputs, recipe):
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if recipe == "autocast" else \
+        torch.autocast("cpu", enabled=False)
+    with ctx:
+        return model(**inputs)
+
+
+def _out(o):
+    t = o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state
+    return t.detach().double()
+
+
+@functools.cache
+def outcome(arch: str, recipe: str) -> dict:
+    """What flashwatch does on this architecture and recipe, checked against the truth
+    (assertions inside); the table row comes from it."""
+    model, kind = hf_tiny(arch)
+    if recipe == "bf16":
+        model = model.to(torch.bfloat16)
+    inputs = hf_inputs(kind, B=2, N=12)
+    try:
+        w = fw.watch(model, every_n_steps=1, rows_per_head="all")
+    except ValueError as e:
+        msg = str(e)
+        assert "never SDPA" in msg or "attn_implementation" in msg, msg
+        why = "ALiBi baddbmm, no SDPA" if "never SDPA" in msg else \
+            "eager softcapping, no SDPA" if "softcapped" in msg else "no SDPA call"
+        return dict(layout="-", measured=f"refused ({why})", mitigable="-", qk_clip="-")
+    sites = {s.name: s for s in w.sites}
+    with Scores({n: s.module for n, s in sites.items()}) as oracle:
+        out = _forward(model, inputs, recipe)
+        _loss(out).backward()
+    report = w.step()
+    for h in oracle.handles:
+        h.remove()
+    errors = 2 if arch in INTERLEAVED and not _wq_grad_fixed() else 0  # one per layer
+    assert report is not None and w.monitor_errors_total == errors, w.monitor_errors_total
+    got = {(h.layer, h.head): h for h in report.heads}
+    for name, site in sites.items():
+        want = oracle.max[name]  # every watched layer made an SDPA call
+        fw_max = torch.tensor([got[(name, h)].attention_max_logit for h in range(4)])
+        torch.testing.assert_close(fw_max.double(), want, rtol=1e-4, atol=1e-5)
+        sigma = torch.linalg.matrix_norm(_true_wq(arch, site.module).double(), ord=2)
+        fw_sigma = torch.tensor([got[(name, h)].wq_spectral_norm for h in range(4)])
+        torch.testing.assert_close(fw_sigma.double(), sigma, rtol=1e-3, atol=0)
+    mitigable = _modes(model, w, inputs, recipe, next(iter(sites)))
+    w.remove()
+    first = next(iter(sites.values()))
+    return dict(layout=f"{first.kind}, {first.layout}", measured="yes", mitigable=mitigable,
+                qk_clip=_qk_clip(model, inputs, recipe, min(float(m.min()) for m in
+                                                            oracle.max.values())))
+
+
+def _qk_clip(model, inputs, recipe, lowest: float) -> str:
+    """QK-clip at τ below every head's max logit, two monitored steps on the same input:
+    confirmed clips (the max logit dropped), or refused with W^Q, W^K untouched."""
+    before = [p.detach().clone() for p in model.parameters()]
+    tau = lowest / 2 if lowest > 0 else lowest - 1.0
+    w = fw.watch(model, every_n_steps=1, rows_per_head="all", mitigation="auto",
+                 qk_clip_threshold=tau)
+    reports = []
+    for _ in range(2):
+        with torch.no_grad():
+            _forward(model, inputs, recipe)
+        reports.append(w.step())
+    w.remove()
+    norms = {qk_norm(s) for s in w.sites}
+    if norms != {None}:
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+        assert reports[-1].qk_clips_total == 0
+        return "refused (QK-norm: " + ", ".join(sorted(n.replace("`", "") for n in norms
+                                                        if n)) + ")"
+    assert reports[-1].qk_clips_total > 0, [e.reason for r in reports for e in r.events]
+    return f"yes ({reports[-1].qk_clips_total} confirmed)"
+
+
+def _modes(model, w, inputs, recipe, layer) -> str:
+    """FP32_O on every head of `layer`: the output within the 2× rule of SDPA's against
+    an FP64 copy, or the layer listed unmitigable."""
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        base = _out(_forward(model, inputs, recipe))
+        exact = _out(ref(**inputs))
+        w.set_head_modes(layer, [Mode.FP32_O] * 4)
+        moded = _out(_forward(model, inputs, recipe))
+    report = w.step()
+    if layer in report.unmitigable:
+        assert not any(h.head_mode != Mode.STANDARD for h in report.heads if h.layer == layer)
+        return "unmitigable: " + _short(report.unmitigable[layer])
+    assert all(h.head_mode == Mode.FP32_O for h in report.heads if h.layer == layer)
+    err, base_err = (moded - exact).abs().max(), (base - exact).abs().max()
+    assert err <= 2 * base_err + 1e-5 * exact.abs().max(), (float(err), float(base_err))
+    return "yes (FP32_O ran)"
+
+
+def _wq_grad_fixed() -> bool:
+    """Whether distributed.wq_grad_sq reads an interleaved layout's Q rows."""
+    from flashwatch.distributed import wq_grad_sq
+    from flashwatch.sites import find_sites, q_rows
+
+    site = find_sites(hf_tiny("gpt_neox")[0])[0]
+    grad = torch.randn(96, 32)
+    try:
+        got, _ = wq_grad_sq(site, grad)
+    except TypeError:
+        return False
+    return torch.allclose(got, q_rows(site, grad).double().view(4, 8, 32).square().sum((1, 2)))
+
+
+@pytest.mark.xfail(strict=True, reason="flashwatch/distributed.py wq_grad_sq slices "
+                   "q_slice_of_output (None for interleaved layouts); fix: sites.q_rows")
+def test_interleaved_layouts_count_no_error():
+    assert _wq_grad_fixed()
+
+
+def _short(reason: str) -> str:
+    for key, text in (("attn_mask", "SDPA gets an attn_mask"), ("dropout", "attention dropout"),
+                      ("no attention call", "no routable call")):
+        if key in reason:
+            return text
+    return reason[:40]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_architecture(arch, recipe):
+    row = outcome(arch, recipe)
+    assert row["measured"] == "yes" or arch in ("gemma2", "bloom"), row
+
+
+def table() -> str:
+    lines = [
+        "# Compatibility",
+        "",
+        "Generated by `FLASHWATCH_WRITE_COMPAT=1 pytest tests/test_compat.py` from tiny",
+        "random-init Hugging Face models (2 layers, width 32, 4 heads).",
+        "Every `yes` in *measured* is checked there: max logit against FP64 scores of the",
+        "q, k each SDPA call received, W^Q spectral norms against the modeling code's",
+        "per-head split. *Mitigable*: FP32_O set on one layer either ran (output within",
+        "the 2× rule of SDPA's) or the report lists the layer unmitigable, with why.",
+        "*QK-clip*: τ = half the smallest max logit, two monitored steps on one input;",
+        "`yes (n confirmed)` counts clips the next measurement confirmed; `refused`",
+        "layers are left untouched (their q/k norm undoes any scaling of W^Q, W^K).",
+        "Refused architectures make no SDPA call (flashwatch/eager_attention.py).",
+        "",
+        "| architecture | recipe | discovery (kind, layout) | measured | mitigable | QK-clip |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arch in ARCHS:
+        for recipe in RECIPES:
+            r = outcome(arch, recipe)
+            lines.append(f"| {arch} ({HF_ARCHS[arch][0].removesuffix('Config')}) | {recipe} "
+                         f"| {r['layout']} | {r['measured']} | {r['mitigable']} "
+                         f"| {r['qk_clip']} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_committed_table_is_current():
+    text = table()
+    if os.environ.get("FLASHWATCH_WRITE_COMPAT") == "1":
+        TABLE.write_text(text)
+    assert TABLE.exists(), f"{TABLE} is missing: run FLASHWATCH_WRITE_COMPAT=1 pytest {__file__}"
+    assert TABLE.read_text() == text, ("docs/compatibility.md differs from what the suite "
+                                       "finds; rerun with FLASHWATCH_WRITE_COMPAT=1")
