@@ -1,15 +1,23 @@
 """Compile every Triton kernel for a GPU target without a GPU (ptxas ships with triton).
 
 Catches errors in the native code path (the one TRITON_INTERPRET=1 never runs) on a
-CPU-only machine:  python benchmarks/compile_check.py [--arch 90]
-Compiles forward (causal × stats, D 64/128), δ, dK/dV and dQ kernels in bf16 and fp16.
+CPU-only machine, and measures registers and spills per autotune config with ptxas -v:
+
+  python benchmarks/compile_check.py [--arch 90]            one config per kernel and D
+  python benchmarks/compile_check.py --spills [--dtypes bf16 fp16]
+      every candidate config of kernels/triton_tuning.py (forward with STATS on, the
+      heavier variant; causal and not), a table of registers / spill bytes; exits 1 if a
+      config inside the tuned space (FWD_SPACE, BWD_SPACE) spills.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -17,64 +25,125 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashwatch.kernels import triton_attention as ta  # noqa: E402
+from flashwatch.kernels import triton_tuning as tuning  # noqa: E402
+
+PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
+FP32_PTRS = {"O32", "LSE", "DELTA", "ST_MAX", "DQ32"}
+FLOATS = {"sm_scale", "qk_scale", "beta_m1", "eps", "guard", "min_excess"}
 
 
-def signature(fn, types, constexprs):
-    sig = {}
-    for name in fn.arg_names:
-        sig[name] = "constexpr" if name in constexprs else types(name)
-    return sig
+def signature(fn, dt, constexprs):
+    def kind(name):
+        if name in constexprs:
+            return "constexpr"
+        if name in PTRS:
+            return f"*{dt}"
+        if name in FP32_PTRS:
+            return "*fp32"
+        if name in ("HEADS", "ST_CNT"):
+            return "*i32"
+        return "fp32" if name in FLOATS else "i32"
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill store bytes, spill load bytes) from ptxas -v, as triton runs it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        out = subprocess.run(
+            [get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={sm_arch_from_capability(arch)}", src, "-o", src + ".o"],
+            capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", out).group(1))
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    return regs, int(spill.group(1)), int(spill.group(2))
+
+
+def compile_one(fn, dt, consts, warps, stages, arch):
+    src = ASTSource(fn=fn, signature=signature(fn, dt, consts), constexprs=consts)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def quick_jobs(dtypes):
+    """One config per kernel, head dim and mode (the FLASHWATCH_TRITON_AUTOTUNE=0 ones)."""
+    jobs = []
+    for dt in dtypes:
+        for d in (64, 128):
+            fwd, bwd = tuning.FWD_FIXED[d], tuning.BWD_FIXED[d]
+            for causal in (False, True):
+                for stats in (False, True):
+                    c = dict(D=d, BLOCK_M=tuning.FWD_BLOCK_M, BLOCK_N=fwd[0], CAUSAL=causal,
+                             STATS=stats, INTERPRET=False)
+                    jobs.append((ta._fwd_kernel, dt, c, *fwd[1:]))
+                c = dict(D=d, BLOCK_M=bwd[0], BLOCK_N=bwd[1], CAUSAL=causal, INTERPRET=False)
+                jobs.append((ta._bwd_kernel, dt, c, *bwd[2:]))
+            for fn in (ta._bwd_prep, ta._bwd_dq_out):
+                jobs.append((fn, dt, dict(D=d, BLOCK_M=64, INTERPRET=False), 4, 1))
+    return jobs
+
+
+def spill_jobs(dtypes):
+    """Every candidate config of the forward (STATS on) and the backward, causal and not."""
+    jobs = []
+    for dt in dtypes:
+        for d in (64, 128):
+            for causal in (False, True):
+                for bn, w, s in tuning.FWD_CANDIDATES:
+                    c = dict(D=d, BLOCK_M=tuning.FWD_BLOCK_M, BLOCK_N=bn, CAUSAL=causal,
+                             STATS=True, INTERPRET=False)
+                    jobs.append((ta._fwd_kernel, dt, c, w, s))
+                for bm, bn, w, s in tuning.BWD_CANDIDATES:
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False)
+                    jobs.append((ta._bwd_kernel, dt, c, w, s))
+    return jobs
+
+
+def in_space(fn, consts, warps, stages) -> bool:
+    d = consts["D"]
+    if fn is ta._fwd_kernel:
+        return (consts["BLOCK_N"], warps, stages) in tuning.FWD_SPACE[d]
+    if fn is ta._bwd_kernel:
+        return (consts["BLOCK_M"], consts["BLOCK_N"], warps, stages) in tuning.BWD_SPACE[d]
+    return True
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability ×10")
+    ap.add_argument("--spills", action="store_true", help="every candidate config, with "
+                    "registers and spills; fail if a config in the tuned space spills")
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
     args = ap.parse_args()
-    target = GPUTarget("cuda", args.arch, 32)
-    jobs = []
-    for dt in ("bf16", "fp16"):
-        ptr = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
-
-        def types(name, dt=dt, ptr=ptr):
-            if name in ptr:
-                return f"*{dt}"
-            if name in ("O32", "LSE", "DELTA", "ST_MAX"):
-                return "*fp32"
-            if name in ("HEADS", "ST_CNT"):
-                return "*i32"
-            if name in ("sm_scale", "beta_m1", "eps", "guard", "min_excess"):
-                return "fp32"
-            return "i32"
-
-        for d in (64, 128):
-            w = 8 if d == 128 else 4
-            for causal in (False, True):
-                for stats in (False, True):
-                    c = dict(D=d, BLOCK_M=128, BLOCK_N=64, CAUSAL=causal, STATS=stats,
-                             INTERPRET=False)
-                    jobs.append((ta._fwd_kernel, types, dict(c), w, 3, dt))
-                c = dict(D=d, BLOCK_M=64, BLOCK_N=128, CAUSAL=causal, INTERPRET=False)
-                jobs.append((ta._bwd_dkdv, types, c, w, 2, dt))
-                c = dict(D=d, BLOCK_M=128, BLOCK_N=64, CAUSAL=causal, INTERPRET=False)
-                jobs.append((ta._bwd_dq, types, c, w, 2, dt))
-            jobs.append((ta._bwd_delta, types, dict(D=d, BLOCK_M=64, INTERPRET=False), 4, 1, dt))
-    failures = 0
-    for fn, types, consts, warps, stages, dt in jobs:
+    jobs = spill_jobs(args.dtypes) if args.spills else quick_jobs(args.dtypes)
+    failures = spilling = 0
+    print("kernel       dtype D   causal stats BLOCK_M BLOCK_N warps stages regs "
+          "spill_st spill_ld smem  in_space")
+    for fn, dt, consts, warps, stages in jobs:
         t0 = time.time()
-        src = ASTSource(fn=fn, signature=signature(fn, types, consts), constexprs=consts)
+        tag = f"{fn.__name__:12s} {dt:5s} {consts['D']:<3d} {consts.get('CAUSAL', '-')!s:6s} " \
+              f"{consts.get('STATS', '-')!s:5s}"
         try:
-            k = triton.compile(src, target=target,
-                               options={"num_warps": warps, "num_stages": stages})
-            smem = k.metadata.shared
-            print(f"ok   {fn.__name__:12s} {dt} {consts} smem={smem} ({time.time() - t0:.1f}s)")
+            k = compile_one(fn, dt, consts, warps, stages, args.arch)
+            regs, st, ld = ptxas_usage(k.asm["ptx"], args.arch)
         except Exception as e:  # report every failure, then exit non-zero
             failures += 1
-            print(f"FAIL {fn.__name__:12s} {dt} {consts}: {type(e).__name__}: {e}")
-    print(f"{len(jobs) - failures} compiled, {failures} failed")
-    return 1 if failures else 0
+            print(f"FAIL {tag} {consts}: {type(e).__name__}: {e}")
+            continue
+        inside = in_space(fn, consts, warps, stages)
+        spilling += inside and (st > 0 or ld > 0)
+        print(f"{tag} {consts.get('BLOCK_M', '-')!s:7s} {consts.get('BLOCK_N', '-')!s:7s} "
+              f"{warps:<5d} {stages:<6d} {regs:<4d} {st:<8d} {ld:<8d} {k.metadata.shared:<5d} "
+              f"{'yes' if inside else 'no'}  ({time.time() - t0:.1f}s)", flush=True)
+    print(f"{len(jobs) - failures} compiled, {failures} failed, {spilling} spilling inside "
+          f"the tuned space")
+    return 1 if failures or spilling else 0
 
 
 if __name__ == "__main__":

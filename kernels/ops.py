@@ -103,13 +103,15 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
-    if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
-        o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     if backend == "triton":
+        # o32 may hold every head (keep_o32): the kernel reads the FP32_O heads' rows in
+        # place, no gather (a boolean index is a host sync on CUDA).
         from . import triton_attention
 
         return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                          scale=scale)
+    if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
+        o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
                                        scale=scale, modes=modes,

@@ -31,6 +31,8 @@ import triton.language as tl  # noqa: E402
 import flashwatch as fw  # noqa: E402
 from flashwatch.kernels import reference  # noqa: E402
 from flashwatch.kernels import triton_attention as ta  # noqa: E402
+from flashwatch.kernels import triton_helpers as th  # noqa: E402
+from flashwatch.kernels import triton_tuning as tuning  # noqa: E402
 from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
 
 if ta.INTERPRET:
@@ -133,13 +135,13 @@ def assert_counters(stats, q, k, causal, scale, modes):
 def _rne_probe(X, Y, N: tl.constexpr):
     offs = tl.program_id(0) * N + tl.arange(0, N)
     x = tl.load(X + offs)
-    tl.store(Y + offs, ta._rne_bf16(x))
+    tl.store(Y + offs, th._rne_bf16(x))
 
 
 @triton.jit
 def _store_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(Y + offs, ta._to_store(tl.load(X + offs), Y.dtype.element_ty, INTERPRET))
+    tl.store(Y + offs, th._to_store(tl.load(X + offs), Y.dtype.element_ty, INTERPRET))
 
 
 PROBE = 1024  # elements per program in the probe kernels
@@ -148,7 +150,7 @@ PROBE = 1024  # elements per program in the probe kernels
 @triton.jit
 def _up_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(Y + offs, ta._up(tl.load(X + offs), INTERPRET))
+    tl.store(Y + offs, th._up(tl.load(X + offs), INTERPRET))
 
 
 def test_bf16_widening_exact_for_every_bit_pattern():
@@ -256,8 +258,9 @@ def test_single_query_and_key(dtype):
 def test_rectangular_blocks(monkeypatch, block_m, block_n, causal):
     # The GPU runs BLOCK_M != BLOCK_N (128×64 forward, 32×128 dK/dV, 128×32 dQ); the
     # region split (unmasked / causal diagonal / ragged end) must hold for both ratios.
-    monkeypatch.setattr(ta, "_INTERP_FWD", dict(BLOCK_M=block_m, BLOCK_N=block_n))
-    monkeypatch.setattr(ta, "_INTERP_BWD", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    monkeypatch.setattr(tuning, "INTERP_BLOCKS", dict(BLOCK_M=block_m, BLOCK_N=block_n))
+    for tuned in ta.TUNED:  # the pick is cached per tuning key: forget it for this test
+        monkeypatch.setattr(tuned, "cache", {})
     gen = torch.Generator().manual_seed(block_m + causal)
     nq, nk = (70, 53) if causal else (53, 70)
     q = quantized(1, 3, nq, 16, gen=gen, dtype=torch.bfloat16)
@@ -405,12 +408,11 @@ def test_head_mode_change_between_calls():
                                 eps=1e-3, block_n=16)
         assert (outs[0].float() - res.o.float()).abs().max() <= (
             ulps * 2.0 ** -7 * res.o.abs().max())
-        dq_ref, _, _, _ = reference.backward(do, q, k, v, res.o, res.o32, res.lse,
-                                             causal=False, scale=scale,
-                                             modes=torch.tensor(modes, dtype=torch.int32),
-                                             block_n=16)
-        assert (outs[1].float() - dq_ref.float()).abs().max() <= (
-            ulps * 2.0 ** -6 * dq_ref.abs().max())
+        # Gradients: the FP64 2× rule. Not the reference to an ulp: the kernel's P (exp2 of
+        # the scale·log2e-folded scores) differs from the reference's exp(S - LSE) in the
+        # last FP32 bits at |S| ≈ 1000, which can flip a BF16 rounding of dS; times
+        # k ≈ 64 and scale 16 that moves dQ by 4 (measured), 3.6 reference ulps.
+        assert_accuracy(outs, q, k, v, do, False, scale)
     (std, std_stats), (std2, _) = results[(0, 0, 0)]
     (mixed, mixed_stats), = results[(1, 2, 0)]
     assert std_stats.guarded_rows.tolist() == [0, 0, 0]

@@ -1,0 +1,154 @@
+"""@triton.jit helpers shared by the attention kernels (kernels/triton_attention.py).
+
+  dtype rounding that is right in the interpreter   `_rne_bf16_bits`, `_rne_bf16`, `_up`,
+                                                     `_lo`, `_to_store`, `_dot`
+  row max, BETA shift and the online tie count       `_rowmax`, `_beta_excess`, `_update_ties`
+  the prologue every kernel shares                  `_bh_offset`, `_tile`
+
+Interpreter (TRITON_INTERPRET=1, how CPU CI runs these kernels): triton 3.9's
+interpreter mishandles BF16 (triton-lang/triton#11584: `tl.dot` multiplies the raw
+uint16 bit patterns, fp32→bf16 `.to()` truncates, bf16 compares are wrong). With the
+constexpr INTERPRET set, every dot runs on FP32 operands with input_precision="ieee"
+(exact products of 16-bit values, FP32 accumulation like a tensor core), every
+fp32→bf16 rounding is the explicit integer round-to-nearest-even of `_rne_bf16_bits`,
+and bf16 values are widened and stored through bit patterns (the interpreter's own
+bf16<->fp32 casts also flush subnormals, found while testing this). FP16 casts in the
+interpreter go through numpy and are already correct. On a GPU the native path runs.
+"""
+
+import triton
+import triton.language as tl
+
+# log2(e): scores are multiplied by scale·LOG2E once and exponentiated with exp2 (one
+# FMA and one ex2 per score, as in FlashAttention-2), shifts and LSE stay in nats.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _rne_bf16_bits(x):
+    """fp32 -> bf16 bit pattern (uint32, low 16 bits), round to nearest even.
+
+    (u + 0x7FFF + lsb) >> 16 rounds the 16 dropped bits to nearest, ties to the even
+    kept bit; a carry moves into the exponent, so overflow gives ±Inf as IEEE requires.
+    NaN maps to 0x7FC0 like torch: the integer add would turn a NaN with a small payload
+    (0x7F800001) into Inf.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    bits = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return tl.where(x != x, 0x7FC0, bits)
+
+
+@triton.jit
+def _rne_bf16(x):
+    """fp32 -> nearest-even bf16 value, held exactly in an fp32 tensor."""
+    return (_rne_bf16_bits(x) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _up(x, INTERPRET: tl.constexpr):
+    """Exact widening to fp32. The interpreter's bf16 `.to(tl.float32)` flushes bf16
+    subnormals (checked: all 254 of them go wrong), so widen the bits instead."""
+    if INTERPRET:
+        if x.dtype == tl.bfloat16:
+            u = x.to(tl.uint16, bitcast=True).to(tl.uint32)
+            return (u << 16).to(tl.float32, bitcast=True)
+        else:
+            return x.to(tl.float32)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _lo(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Round fp32 x to the input dtype DT, as a dot operand (P̄ before P̄V, dS, P)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:
+            return _rne_bf16(x)
+        else:
+            return x.to(DT).to(tl.float32)  # numpy's fp16 cast: RNE, subnormals right
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _to_store(x, DT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Round fp32 x to DT for a store (O, dQ, dK, dV)."""
+    if INTERPRET:
+        if DT == tl.bfloat16:
+            # Build the bf16 from its bits: the interpreter's fp32->bf16 cast truncates and
+            # mangles subnormals even when the value is already a bf16 value.
+            return _rne_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            return x.to(DT)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def _dot(a, b, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        return tl.dot(_up(a, INTERPRET), _up(b, INTERPRET), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _rowmax(s, INTERPRET: tl.constexpr):
+    """NaN-propagating row max (torch.amax semantics; the reference relies on them)."""
+    if INTERPRET:
+        # The interpreter reduces tl.max with np.nanmax and runs custom combine functions
+        # element by element in Python (~1000x slower), so mark NaN rows explicitly.
+        m = tl.max(s, 1)
+        has_nan = tl.max((s != s).to(tl.int32), 1) > 0
+        return tl.where(has_nan, float("nan"), m)
+    else:
+        return tl.reduce(s, 1, _max_nan)
+
+
+@triton.jit
+def _raw_excess(m, beta_m1):
+    # Paper rule: shift = β·m (m > 0) or 0 (m ≤ 0), i.e. this far above m.
+    return tl.where(m > 0, beta_m1 * m, -m)
+
+
+@triton.jit
+def _beta_excess(m, beta_m1, guard, min_excess):
+    """`reference.beta_excess` (shift - m for a tied BETA row), guard included."""
+    ex = _raw_excess(m, beta_m1)
+    half = guard * 0.5
+    wrapped = half + (ex - tl.floor(ex / half) * half)
+    ex = tl.where(ex > guard, wrapped, ex)
+    return tl.where(ex < min_excess, min_excess + ex, ex)
+
+
+@triton.jit
+def _update_ties(m_old, cnt_old, s, m_new, eps):
+    """`reference._update_ties`: exact online count (saturating at 2) of s ≥ max - eps."""
+    thr = m_new - eps
+    hit = (s >= thr[:, None]) & (s != float("-inf"))
+    blk = tl.sum(hit.to(tl.int32), 1)
+    old = tl.where(m_new == m_old, cnt_old, (m_old >= thr).to(tl.int32))
+    return tl.minimum(old + blk, 2)
+
+
+@triton.jit
+def _bh_offset(pid_bh, H, stride_b, stride_h):
+    """Element offset of (batch, head) = divmod(pid_bh, H) in a [B, H, N, D] tensor, in
+    int64: B·H·N·D passes 2^31 at long context (B 64, H 32, N 8192, D 128)."""
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    return b * stride_b + h * stride_h
+
+
+@triton.jit
+def _tile(base, start, stride, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Pointers to rows [start, start + BLOCK) × [0, D) of a row-major head at `base`.
+    The row start goes in as an int64 scalar; the in-tile offsets (< BLOCK·stride) stay
+    int32, so the [BLOCK, D] pointer arithmetic costs what it did with int32 offsets."""
+    row0 = base + tl.cast(start, tl.int64) * stride
+    return row0 + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, D)[None, :]

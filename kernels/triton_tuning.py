@@ -1,0 +1,100 @@
+"""Autotune spaces and keys of the Triton attention kernels (kernels/triton_attention.py).
+
+Keys: the autotuner tunes once per (length bucket, D, CAUSAL[, STATS], dtypes), where a
+length's bucket is its next power of two (`bucket`), passed to the kernels as the
+otherwise unused int arguments N_Q_BKT and N_K_BKT. A new exact length in a seen bucket
+reuses the tuned config and the compiled kernel (ints are specialised only on
+divisibility by 16 and == 1), so training with varying lengths neither retunes nor
+recompiles after warm-up, and a CUDA-graph capture never meets a tuning run.
+
+Spaces: only configs that ptxas compiles for sm_90 without spilling, per head dim
+(`benchmarks/compile_check.py --spills` measures every config; its numbers are in
+benchmarks/RESULTS.md). FLASHWATCH_TRITON_AUTOTUNE=0 keeps one config per head dim
+(the native test run: tuning every test shape would cost minutes of compiles).
+
+Interpreter (TRITON_INTERPRET=1): the same autotuned launch, pruned to the blocks in
+`INTERP_BLOCKS` (16 is the smallest tl.dot tile; small blocks keep CPU tests fast and
+let N ≈ 40 cross several blocks and a ragged end), so the key and its cache are tested
+on CPU too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+
+AUTOTUNE = os.environ.get("FLASHWATCH_TRITON_AUTOTUNE", "1") != "0"
+FWD_BLOCK_M = 128  # fixed on the GPU: the forward's counter buffer is indexed by query block
+INTERP_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)  # tests swap in other blocks (rectangular)
+
+FWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "STATS"]
+BWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL"]
+
+
+def bucket(n: int) -> int:
+    """The autotune key of a length: its next power of two."""
+    return triton.next_power_of_2(n)
+
+
+def _cfg(num_warps, num_stages, **blocks):
+    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+def _grid(pairs, warps=(4, 8), stages=(2, 3)):
+    """(block, ..., warps, stages) tuples for every combination."""
+    return [(*p, w, s) for p in pairs for w in warps for s in stages]
+
+
+# Candidate spaces: every config compile_check.py measures. Forward: BLOCK_N;
+# backward (one program per key block): (BLOCK_M, BLOCK_N).
+FWD_CANDIDATES = _grid([(64,), (128,)])
+BWD_CANDIDATES = _grid([(32, 64), (64, 64), (32, 128), (64, 128), (128, 64)],
+                       stages=(1, 2, 3))
+
+# The spill-free subsets, per head dim, from `compile_check.py --spills` (sm_90, bf16 and
+# fp16, causal and not, STATS on; D 16 and 32 use the D=64 set). A config missing here
+# spilled in at least one of those variants.
+FWD_SPACE = {
+    64: FWD_CANDIDATES,
+    128: FWD_CANDIDATES,
+}
+BWD_SPACE = {
+    64: BWD_CANDIDATES,
+    128: BWD_CANDIDATES,
+}
+# One config per head dim when tuning is off (FLASHWATCH_TRITON_AUTOTUNE=0).
+FWD_FIXED = {64: (64, 4, 3), 128: (64, 8, 3)}
+BWD_FIXED = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+
+
+def _space_d(d: int) -> int:
+    return 128 if d > 64 else 64
+
+
+def _tuple(c: triton.Config, names) -> tuple:
+    return (*(c.kwargs[n] for n in names), c.num_warps, c.num_stages)
+
+
+def _pruner(space, fixed, names, interpret):
+    def prune(configs, named_args, **kwargs):
+        if interpret:
+            return [triton.Config({n: INTERP_BLOCKS[n] for n in names})]
+        d = _space_d(kwargs.get("D", named_args.get("D")))
+        keep = set(space[d]) if AUTOTUNE else {fixed[d]}
+        return [c for c in configs if _tuple(c, names) in keep]
+    return prune
+
+
+def autotuned(kernel, *, backward: bool, interpret: bool, reset_to_zero=None):
+    """`kernel` wrapped in triton.autotune with this module's key and space."""
+    names = ("BLOCK_M", "BLOCK_N") if backward else ("BLOCK_N",)
+    cands = BWD_CANDIDATES if backward else FWD_CANDIDATES
+    if interpret:  # two entries, so that the autotuner caches its (pruned) pick per key
+        cands = [(16, 16, 1, 1), (16, 32, 1, 1)] if backward else [(16, 1, 1), (32, 1, 1)]
+    configs = [_cfg(c[-2], c[-1], **dict(zip(names, c[:-2], strict=True))) for c in cands]
+    prune = _pruner(BWD_SPACE if backward else FWD_SPACE,
+                    BWD_FIXED if backward else FWD_FIXED, names, interpret)
+    return triton.autotune(configs=configs, key=BWD_KEY if backward else FWD_KEY,
+                           prune_configs_by={"early_config_prune": prune},
+                           reset_to_zero=reset_to_zero)(kernel)
