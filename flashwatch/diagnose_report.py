@@ -27,11 +27,16 @@ def write_report(results: list[dict], out: Path, growth: dict | None = None) -> 
                                                    for k, v in growth.items()])
     js.write_text(json.dumps(_clean(everything), indent=1, allow_nan=False) + "\n")
     written = [js]
-    written.append(_heatmaps(results[-1], out / "heads.png"))
-    if growth:
-        written.append(_growth_plot(results, growth, out / "growth.png"))
+    try:
+        written.append(_heatmaps(results[-1], out / "heads.png"))
+        if growth:
+            written.append(_growth_plot(results, growth, out / "growth.png"))
+        note = []
+    except ImportError:  # matplotlib is an extra: the numbers do not need it
+        note = ["", "No plots: they need matplotlib (pip install 'flashwatch[report]')."]
     md = out / "report.md"
-    md.write_text(markdown(results, growth, [p.name for p in written[1:]]))
+    md.write_text(markdown(results, growth, [p.name for p in written[1:]])
+                  + "\n".join(note) + ("\n" if note else ""))
     return [md, *written]
 
 

@@ -32,3 +32,17 @@ def test_console_script_is_installed():
     assert exe is not None
     res = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and flashwatch.__version__ in res.stdout
+
+
+def test_diagnose_needs_data_and_a_checkpoint(capsys):
+    for argv in (["diagnose", "ckpt.pt"], ["diagnose", "--data", "d.bin"]):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert "usage: flashwatch diagnose" in capsys.readouterr().err
+
+
+def test_diagnose_is_listed_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "diagnose" in capsys.readouterr().out

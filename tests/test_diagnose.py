@@ -329,11 +329,11 @@ def test_cli_hugging_face_directory(tmp_path, capsys):
     torch.save(torch.randint(64, (3, 20)), tmp_path / "rows.pt")
     out = tmp_path / "out"
     code = main(["diagnose", str(tmp_path / "llama"), "--data", str(tmp_path / "rows.pt"),
-                 "--batches", "3", "--dtype", "float32", "--out", str(out)])
+                 "--batches", "3", "--out", str(out)])
     assert code == 0
     js = json.loads((out / "diagnose.json").read_text())
     (res,) = js["checkpoints"]
-    assert len(res["heads"]) == 8 and res["batches"] == 3 and res["dtype"] == "None"
+    assert len(res["heads"]) == 8 and res["batches"] == 3 and res["dtype"] == "bfloat16"
     assert {h["grad_path"] for h in res["heads"]} == {"autograd"}  # RoPE
     assert all(h["rows"] == 3 * 19 for h in res["heads"])
     md = (out / "report.md").read_text()
@@ -358,3 +358,15 @@ def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
     assert main(["diagnose", str(tmp_path / "other.pt"), "--data",
                  str(tmp_path / "d.txt")]) == 2
     assert "not a nanoGPT checkpoint" in capsys.readouterr().err
+
+
+def test_report_without_matplotlib_keeps_the_numbers(tmp_path, monkeypatch):
+    from flashwatch.diagnose_report import write_report
+
+    res = diagnose(tiny_gpt(), id_batches(16, n=1), progress=False)
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
+    written = write_report([res], tmp_path)
+    assert [p.name for p in written] == ["report.md", "diagnose.json"]
+    assert "pip install 'flashwatch[report]'" in (tmp_path / "report.md").read_text()
+    assert len(json.loads((tmp_path / "diagnose.json").read_text())["checkpoints"][0]
+               ["heads"]) == 8

@@ -1,0 +1,87 @@
+"""Time and memory of `flashwatch.diagnose` on a GPT-2-shaped 124M-parameter model, CPU.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_diagnose.py --batches 4 --block 1024 \
+        --dtype float32
+
+examples/gpt.py at GPT-2 Small's shape (12 layers, 12 heads, d 768, vocab 50,257,
+1,024 positions: 124M parameters), random init, random token ids. Side by side in one
+process: a plain training step of the same batch (BF16 autocast forward, backward of
+every parameter, in `--dtype`: bfloat16 autocast or float32) and diagnose on the same
+batches in the same dtype (every row of every head measured in FP64).
+Peak memory is the process's maximum resident set (ru_maxrss), read after building the
+model, after the plain steps and after diagnose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/
+
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+from flashwatch import diagnose  # noqa: E402
+
+
+def rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--block", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--plain-steps", type=int, default=1, help="plain steps timed (1)")
+    a = p.parse_args(argv)
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else None
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=a.layers, n_head=12,
+                          n_embd=768))
+    params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(50257, (a.batch_size, a.block + 1), generator=gen)
+               for _ in range(a.batches)]
+    rss_model = rss_mib()
+
+    t0 = time.perf_counter()
+    for b in batches[:a.plain_steps]:  # the plain training step, for scale
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            _, loss = model(b[:, :-1], b[:, 1:])
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    plain = (time.perf_counter() - t0) / a.plain_steps
+    rss_plain = rss_mib()
+
+    t0 = time.perf_counter()
+    res = diagnose(model, batches, dtype=dtype, name="gpt2-124M")
+    diag = (time.perf_counter() - t0) / a.batches
+    rss_diag = rss_mib()
+
+    print(f"command: OMP_NUM_THREADS={torch.get_num_threads()} python "
+          f"benchmarks/bench_diagnose.py --batches {a.batches} --batch-size {a.batch_size} "
+          f"--block {a.block} --layers {a.layers} --dtype {a.dtype} --plain-steps "
+          f"{a.plain_steps}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+          f"{params / 1e6:.1f}M parameters, {a.batches} batches of "
+          f"{a.batch_size}×{a.block} tokens")
+    print("| what | per batch (s) | ratio to the plain step | peak RSS after (MiB) |")
+    print("|---|---|---|---|")
+    print(f"| model built | – | – | {rss_model:.0f} |")
+    print(f"| plain {a.dtype} training step (fwd + bwd) | {plain:.2f} | 1.00 | {rss_plain:.0f} |")
+    print(f"| diagnose (every row, FP64) | {diag:.2f} | {diag / plain:.2f} | {rss_diag:.0f} |")
+    top = res["heads"][0]
+    print(f"heads: {len(res['heads'])}; top: {top['layer']}/{top['head']} {top['verdict']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
