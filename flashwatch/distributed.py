@@ -66,17 +66,23 @@ def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwa
     return gram_norm(w.float())
 
 
-def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -> list:
+def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=None,
+                   **kwargs) -> list:
     """`spectral_norm` of many sites: [(σ [H], v [H, d_model]) or the exception raised
     for that site]. Plain weights of one shape (most models: every layer's) run as ONE
     batched `gram_norm` over all their heads, whose cost on small models is per-op
     overhead, not arithmetic. Sharded weights run site by site (each power-iteration
-    step is a collective); `iters` and **kwargs are theirs."""
+    step is a collective), fault-symmetrically: a rank that fails on a site still takes
+    part in every iteration (`symmetric_sharded_norm`); `iters` and **kwargs are
+    theirs, `monitor` the watcher's MonitorGroup (flashwatch/reduce.py)."""
     out: list = [None] * len(sites)
     groups: dict = {}
     for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        if is_row_sharded(site):
+            out[i] = symmetric_sharded_norm(site, v, iters, monitor, **kwargs)
+            continue
         try:
-            if local_wq_rows(site) is not None or is_dtensor(site.wq_source()):
+            if is_dtensor(site.wq_source()):
                 out[i] = spectral_norm(site, v, iters, **kwargs)
                 continue
             w = site.wq()  # a view: upcast once per batch, in gram_norm
@@ -99,6 +105,50 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, **kwargs) -
                 for i, _ in batch:
                     out[i] = e
     return out
+
+
+def is_row_sharded(site: AttentionSite) -> bool:
+    """W^Q is rows of an nn.Linear weight that is a DTensor sharded on dim 0 over a 1-D
+    mesh: the same answer on every rank (it reads the weight's placement, not data)."""
+    from torch.distributed.tensor import Shard
+
+    source = getattr(site.wq_source, "rows_of", None)
+    if source is None or not isinstance(source[0], nn.Linear):
+        return False
+    w = getattr(source[0], "weight", None)
+    return (is_dtensor(w) and w.device_mesh.ndim == 1
+            and tuple(w.placements) == (Shard(0),))
+
+
+class RemoteFailure(RuntimeError):
+    """Another rank failed inside a collective computation; every rank stops it."""
+
+
+def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **kwargs):
+    """(σ, v) of a row-sharded W^Q, or the exception: every rank runs every iteration of
+    the sharded power iteration whatever failed locally. A rank whose rows could not be
+    read takes part with no rows and a failure flag that the iteration's own all_reduce
+    carries, so every rank stops at the same iteration with a RemoteFailure. On the
+    monitor's own group when it spans the mesh's ranks (the usual 1-D FSDP2 mesh), else
+    on the mesh's group (HSDP and other sub-meshes: docs/limits.md)."""
+    error = None
+    try:
+        rows, head, group = local_wq_rows(site)
+    except Exception as e:
+        error = e
+        rows = torch.zeros(0, site.d_model)
+        head = torch.zeros(0, dtype=torch.int64)
+        group = None
+        w = site.wq_source.rows_of[0].weight
+        group = w.device_mesh.get_group(0)
+    host = monitor is not None and monitor.distributed and monitor.covers(group)
+    try:
+        got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
+                                      group=monitor.group if host else group,
+                                      failed=error is not None, host=host, **kwargs)
+    except Exception as e:
+        return error if error is not None else e
+    return error if error is not None else got
 
 
 BATCH_BYTES = 64 << 20  # GPT-2 Small: all 12 layers' W^Q (28 MB) in one batch
@@ -146,7 +196,7 @@ def local_wq_rows(site: AttentionSite):
 
 
 def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(‖dW^Q_h‖²_F per head [H] float64 on the CPU, averaged) from the Q projection's
+    """(‖dW^Q_h‖²_F per head [H] float64 on the gradient's device, averaged) from the Q projection's
     weight gradient `grad` (nn.Linear orientation). A plain tensor is this rank's own
     gradient (averaged=False). A DTensor is FSDP2's shard of the gradient averaged over
     ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
@@ -156,28 +206,32 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     H, D = site.num_heads, site.head_dim
     if not is_dtensor(grad):
         g = grad.detach()[a:b].float().reshape(H, D, -1)
-        return g.square().sum((1, 2)).double().cpu(), False
-    out = torch.zeros(H, dtype=torch.float64)
+        return g.square().sum((1, 2)).double(), False
     found = _dim0_rows(grad, a, b, D)
     if found is not None:
         rows, head, _ = found
-        out.index_add_(0, head.cpu(), rows.double().square().sum(-1).cpu())
+        out = torch.zeros(H, dtype=torch.float64, device=rows.device)
+        out.index_add_(0, head, rows.double().square().sum(-1))
         return out, True
     full = grad.full_tensor().detach()  # every rank holds it: count it once
+    out = torch.zeros(H, dtype=torch.float64, device=full.device)
     if torch.distributed.get_rank() == 0:
-        out = full[a:b].double().reshape(H, D, -1).square().sum((1, 2)).cpu()
+        out = full[a:b].double().reshape(H, D, -1).square().sum((1, 2))
     return out, True
 
 
 def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
                             v: torch.Tensor | None, iters: int, tol: float = 1e-6, *,
                             group=None, seed: int = DEFAULT_SEED,
-                            max_iters: int = WARM_MAX_ITERS
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_iters: int = WARM_MAX_ITERS, failed: bool = False,
+                            host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`spectral.power_iteration` for a W^Q whose rows are spread over the ranks of
     `group`: rows [n, b] are this rank's rows, head [n] the head of each. Same warm and
     cold start rules, stopping test and arguments; returns (σ [H], v [H, b]), identical
-    on every rank."""
+    on every rank. Fault-symmetric: each step's all_reduce carries a failure flag (this
+    rank's `failed`, or an exception in its local products, which then count as zeros);
+    once any rank's flag is up every rank raises RemoteFailure after the same step.
+    host: reduce on the CPU (a gloo group), moving the packed step there and back."""
     import torch.distributed as dist
 
     H, b = num_heads, rows.shape[1]
@@ -192,14 +246,41 @@ def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: i
         bad = ~torch.isfinite(v).all(dim=1) | (v.norm(dim=1) == 0)
         v = torch.where(bad[:, None], start, v / v.norm(dim=1, keepdim=True).clamp_min(1e-300))
 
+    local_error: list = []  # this rank's own failure, raised here instead of RemoteFailure
+
     def step(v):  # (Σ_r W_rᵀ u_r [H, b], ‖u‖² [H]) for u = W v, summed over ranks
-        u = (rows * v[head]).sum(1)
-        packed = torch.cat([
-            torch.zeros(H, b, dtype=dtype, device=rows.device).index_add_(
-                0, head, rows * u[:, None]).flatten(),
-            torch.zeros(H, dtype=dtype, device=rows.device).index_add_(0, head, u * u)])
-        dist.all_reduce(packed, group=group)
-        return packed[:H * b].view(H, b), packed[H * b:]
+        flag = 1.0 if failed else 0.0
+        try:
+            packed = torch.cat([local_power_step(rows, head, v, H),
+                                torch.full((1,), flag, dtype=dtype, device=rows.device)])
+        except Exception as e:
+            local_error.append(e)
+            packed = torch.zeros(H * b + H + 1, dtype=dtype, device=rows.device)
+            packed[-1] = 1.0
+        if host:  # the monitor's gloo group reduces on the CPU
+            reduced = packed.cpu()
+            dist.all_reduce(reduced, group=group)
+            packed = reduced.to(rows.device)
+        else:
+            dist.all_reduce(packed, group=group)
+        if float(packed[-1]) > 0:  # the same reduced flag on every rank
+            if local_error:
+                raise local_error[0]
+            raise RemoteFailure(f"{int(packed[-1])} rank(s) failed in the sharded power "
+                                f"iteration")
+        return packed[:H * b].view(H, b), packed[H * b:H * b + H]
 
     return iterate(step, v, lambda: start, iters=iters, tol=tol, cold=cold,
                    max_iters=max_iters)
+
+
+def local_power_step(rows: torch.Tensor, head: torch.Tensor, v: torch.Tensor, H: int
+                     ) -> torch.Tensor:
+    """This rank's part of one sharded power-iteration step, packed: [Σ W_rᵀ u_r (H·b),
+    ‖u_r‖² (H)] for u = W v on its own rows."""
+    b = rows.shape[1]
+    u = (rows * v[head]).sum(1)
+    return torch.cat([
+        torch.zeros(H, b, dtype=rows.dtype, device=rows.device).index_add_(
+            0, head, rows * u[:, None]).flatten(),
+        torch.zeros(H, dtype=rows.dtype, device=rows.device).index_add_(0, head, u * u)])

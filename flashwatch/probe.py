@@ -156,7 +156,7 @@ class Sample:
     call (d), from its forward until its micro-batch is reduced or, with retain_graph,
     until its graph is freed (each further backward through it adds its own c)."""
 
-    heads: torch.Tensor  # [H] int64 (CPU): the layer's heads in the watcher's arrays
+    heads: torch.Tensor  # [H] int64 (the call's device): the layer's heads in the watcher's arrays
     b: torch.Tensor  # [R] batch element of each row (the call's device)
     t: torch.Tensor  # [R] query position of each row
     tied: torch.Tensor  # [R, H] bool
@@ -168,17 +168,19 @@ class Sample:
     c: torch.Tensor | None = None  # [R, H] float64, set by the gradient hook
     c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row of the
     # call, where flashwatch's kernel gave c on every row (else Σ over the sample)
+    shape: tuple = (0, 0)  # (B, Nq) of the call, on the host
 
 
-def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None
-           ) -> dict[str, torch.Tensor]:
-    """Per-head sums over the samples, added into `out` (new if None): [n_heads] float64
-    on the CPU (G [n_heads, k, k]): tied (tied sampled rows), row_max (max over the
+def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None,
+           device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Per-head sums over the samples, added into `out` (new if None, on `device`, where
+    the samples are: nothing moves to the host here): [n_heads] float64 (G [n_heads, k,
+    k]): tied (tied sampled rows), row_max (max over the
     sampled rows, -inf if none), G, and from the samples with c: delta_sum, delta_sq
     (Σc, Σc²: over every row where the kernel gave c_all, else over the sampled rows)
     and share_num (Σ ‖e_T‖²)."""
     if out is None:
-        f64 = dict(dtype=torch.float64)
+        f64 = dict(dtype=torch.float64, device=device)
         out = dict(tied=torch.zeros(n_heads, **f64),
                    row_max=torch.full((n_heads,), -math.inf, **f64),
                    G=torch.zeros(n_heads, k, k, **f64), delta_sum=torch.zeros(n_heads, **f64),
@@ -198,7 +200,8 @@ def _add_group(ms: list[Sample], out: dict) -> None:
     def stack(name):
         return torch.stack([getattr(m, name) for m in ms])
 
-    idx = torch.cat([m.heads for m in ms])  # [L·H]
+    dev = out["G"].device
+    idx = torch.cat([m.heads.to(dev, non_blocking=True) for m in ms])  # [L·H]
     parts = {"tied": stack("tied").sum(1), "row_max": stack("row_max").amax(1)}  # [L, H]
     first = ms[0]
     if first.c is not None:  # no c: no gradient reached these calls
@@ -209,11 +212,11 @@ def _add_group(ms: list[Sample], out: dict) -> None:
         else:
             parts["delta_sum"], parts["delta_sq"] = c.sum(1), c.square().sum(1)
         G = sketch(c, stack("z"), stack("y"))  # [L, H, k, k]
-        out["G"].index_add_(0, idx, G.reshape(-1, *G.shape[2:]).cpu())
+        out["G"].index_add_(0, idx, G.reshape(-1, *G.shape[2:]).to(dev))
         if first.share_w is not None:
             parts["share_num"] = (stack("share_w") * c.square()).sum(1)
     for name, v in parts.items():
-        v = v.reshape(-1).double().cpu()
+        v = v.reshape(-1).double().to(dev)
         if name == "row_max":
             out[name].scatter_reduce_(0, idx, v, reduce="amax")
         else:

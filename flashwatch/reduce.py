@@ -1,33 +1,205 @@
-"""Cross-rank reduction of the watcher's per-head numbers, constant size in the world size.
+"""Cross-rank reduction of the watcher's per-head numbers, on the monitor's own group.
 
 Every rank sums (or maxes) the same named tensors; each kind is packed into one float64
-tensor and reduced by one `all_reduce`, so one monitored step costs at most two
-collectives whose payload depends on the model (heads, sketch_dim), never on the number
-of ranks. With n heads and k = sketch_dim the watcher packs
-  SUM  n · (11 + k²) values (tie and row counts, δ sum, gradient rows, the k×k sketch
-       G; Σc², rows with and without c, the share's numerator and rows, ‖dW^Q‖²,
-       guarded rows)
-  MAX  n values (max logit)
-i.e. S = 8 · n · (12 + k²) bytes; a ring or tree all_reduce sends and receives about
-2·S per rank whatever the world size (n = 5,120, k = 8: S = 3.1 MB, ≈ 6.2 MB each way).
-The all_gather this replaces received (world_size − 1)·S per rank (3.2 GB at 1,024).
+tensor and reduced by one `all_reduce`, so one monitored step costs a fixed number of
+small collectives whose payload depends on the model (heads, sketch_dim), never on the
+number of ranks. With n heads and k = sketch_dim the watcher packs
+  SUM  n · (11 + k²) values + 1 (the step's sums, and how many ranks failed locally)
+  MAX  2 · n + 2 values (max logit, W^Q spectral norm, the step count and its negative)
+i.e. about 8 · n · (13 + k²) bytes; a ring or tree all_reduce sends and receives about
+twice that per rank whatever the world size (n = 5,120, k = 8: 3.1 MB, ≈ 6.4 MB each
+way). An all_gather would receive (world_size − 1) times that per rank.
 
-Adding a summed or maxed quantity is one entry in the dict the caller passes.
+Fault symmetry. A collective that one rank skips is paired by the backend with the next
+collective of any other rank on the same group. On the training's group that is DDP's
+gradient bucket: the job hangs, aborts ("collective mismatch"), or silently adds monitor
+numbers to gradients. So:
+  - the monitor talks on its own group (`MonitorGroup`), created once, collectively, when
+    the watcher attaches: nothing of ours can ever pair with a training collective;
+  - every rank issues the same collectives in the same order with the same shapes
+    whatever failed locally: a failed local stage contributes zeros (sums) or -inf
+    (maxes) and counts itself in `failed_ranks`, which the SUM carries, so every rank
+    knows and decides the same thing;
+  - the step count travels in the MAX (as +step and -step): ranks that reached different
+    monitored steps (a state loaded on one rank only, an extra step() call) learn it
+    and say so instead of mixing two steps' numbers;
+  - a collective that raises (the group's timeout: a rank that never entered the step)
+    marks the group broken: the monitor never communicates again in this process (a
+    late partner would pair with a later collective of a different size, which gloo
+    answers by aborting the process), and the watcher stops deciding.
+
+Backend: gloo. The payload is a few MB of float64 that the watcher has already moved to
+the host in its one device-to-host copy of the step; gloo reduces it there without a
+second copy back to the GPU, without touching the GPU stream, and without an NCCL
+communicator (which reserves GPU memory on every rank). `timeout` bounds how long a rank
+waits for a partner that never comes; it must stay below the training's own collective
+timeout (NCCL's default is 10 minutes), so that ours fires first and training goes on.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
 import torch
 
+log = logging.getLogger("flashwatch")
 
-def all_reduce(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class MonitorGroup:
+    """The monitor's own gloo process group over every rank of the default group.
+
+    Create it on every rank at the same point (it is a collective: `dist.new_group`).
+    Without torch.distributed, or with one rank, it holds no group and its collectives
+    return their inputs."""
+
+    def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
+                and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got "
+                             f"{timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.broken: str | None = None  # why the group may no longer be used
+        dist = _dist()
+        self.world = dist.get_world_size() if dist else 1
+        self.rank = dist.get_rank() if dist else 0
+        self.group = None
+        if self.world > 1:
+            self.group = dist.new_group(backend="gloo",
+                                        timeout=timedelta(seconds=self.timeout_s))
+
+    def check_same(self, **values: int) -> None:
+        """At attach, on every rank (one MAX all_reduce of ±each value): raise
+        ValueError on every rank if the ranks watch different layouts (head counts,
+        sketch size, cadence), whose per-step collectives would not match. Bounded cost:
+        once per watcher."""
+        if self.group is None:
+            return
+        names = list(values)
+        t = torch.tensor([s * float(values[k]) for k in names for s in (1, -1)],
+                         dtype=torch.float64)
+        self.all_reduce_(t, "max")
+        differ = {k: (int(-t[2 * i + 1]), int(t[2 * i])) for i, k in enumerate(names)
+                  if -t[2 * i + 1] != t[2 * i]}
+        if differ:
+            raise ValueError(
+                "flashwatch.watch: the ranks watch different things: "
+                + ", ".join(f"{k} ranges over {lo}..{hi}" for k, (lo, hi) in differ.items())
+                + "; attach it on every rank to the same model with the same WatchConfig")
+
+    @property
+    def distributed(self) -> bool:
+        return self.group is not None
+
+    def covers(self, group) -> bool:
+        """Whether `group` (e.g. an FSDP2 mesh's) spans the same ranks as ours, so a
+        collective meant for it can run on ours instead."""
+        dist = _dist()
+        if dist is None or self.group is None:
+            return False
+        return sorted(dist.get_process_group_ranks(group)) == list(range(self.world))
+
+    def all_reduce_(self, t: torch.Tensor, op: str = "sum") -> None:
+        """In place over every rank, on the host. Raises RuntimeError once the group is
+        broken; a failing collective breaks it (see the module docstring)."""
+        if self.group is None:
+            return
+        if self.broken is not None:
+            raise RuntimeError(f"flashwatch's process group is unusable since {self.broken}")
+        dist = _dist()
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+        try:
+            dist.all_reduce(t, op=ops[op], group=self.group)
+        except Exception as e:
+            self.broken = f"a collective failed ({type(e).__name__}: {e})"
+            raise
+
+
+@dataclass
+class Reduced:
+    """What every rank gets back from `exchange`, identical on every rank."""
+
+    sums: dict[str, torch.Tensor]
+    maxes: dict[str, torch.Tensor]
+    failed_ranks: int  # ranks whose local stage failed (their numbers are missing)
+    steps: tuple[int, int]  # (lowest, highest) step count among the ranks
+    local_error: Exception | None = None  # this rank's packing failed (it sent fills)
+
+    @property
+    def in_step(self) -> bool:
+        return self.steps[0] == self.steps[1]
+
+
+def exchange(monitor: MonitorGroup | None, sums: dict[str, torch.Tensor] | None,
+             maxes: dict[str, torch.Tensor] | None, shapes: dict[str, tuple], *,
+             step: int) -> Reduced:
+    """One SUM and one MAX all_reduce of a monitored step, issued whatever failed.
+
+    `shapes` names every summed and maxed tensor and its shape (the same on every rank:
+    it comes from the watched model, never from what was measured). `sums`/`maxes` None
+    means this rank's local stage failed: it contributes zeros and -inf and counts
+    itself in `failed_ranks`. Returns float64 CPU tensors."""
+    failed, error = sums is None or maxes is None, None
+    sum_keys = [k for k in shapes if not k.startswith("max:")]
+    max_keys = [k for k in shapes if k.startswith("max:")]
+    try:
+        s_vec = _pack(None if failed else sums, sum_keys, shapes, 0.0, strip="")
+        m_vec = _pack(None if failed else maxes, max_keys, shapes, -math.inf, strip="max:")
+    except Exception as e:  # still take part, with the fills of a failed rank
+        failed, error = True, e
+        s_vec = _pack(None, sum_keys, shapes, 0.0, strip="")
+        m_vec = _pack(None, max_keys, shapes, -math.inf, strip="max:")
+    s_vec = torch.cat([s_vec, torch.tensor([float(failed)], dtype=torch.float64)])
+    m_vec = torch.cat([m_vec, torch.tensor([float(step), -float(step)], dtype=torch.float64)])
+    if monitor is not None:
+        monitor.all_reduce_(s_vec, "sum")
+        monitor.all_reduce_(m_vec, "max")
+    return Reduced(sums=_unpack(s_vec, sum_keys, shapes, strip=""),
+                   maxes=_unpack(m_vec, max_keys, shapes, strip="max:"),
+                   failed_ranks=int(s_vec[-1]), steps=(int(-m_vec[-1]), int(m_vec[-2])),
+                   local_error=error)
+
+
+def _pack(values, keys, shapes, fill, strip) -> torch.Tensor:
+    size = sum(math.prod(shapes[k]) for k in keys)
+    if values is None:
+        return torch.full((size,), fill, dtype=torch.float64)
+    parts = []
+    for k in keys:
+        t = values[k.removeprefix(strip) if strip else k]
+        if tuple(t.shape) != tuple(shapes[k]):
+            raise ValueError(f"{k} has shape {tuple(t.shape)}, expected {shapes[k]}")
+        parts.append(t.detach().to("cpu", torch.float64).reshape(-1))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _unpack(vec, keys, shapes, strip) -> dict[str, torch.Tensor]:
+    out, i = {}, 0
+    for k in keys:
+        n = math.prod(shapes[k])
+        out[k.removeprefix(strip) if strip else k] = vec[i:i + n].view(shapes[k])
+        i += n
+    return out
+
+
+def all_reduce(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
+               monitor: MonitorGroup | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Sum every tensor of `sums` and max every tensor of `maxes` over all ranks.
+    """Sum every tensor of `sums` and max every tensor of `maxes` over all ranks of
+    `monitor` (no group or one rank: float64 copies of the inputs).
 
-    Returns new dicts with the same keys, shapes and float64 CPU tensors. Without an
-    initialized process group (or with one rank) the inputs come back as float64 copies.
-    Every rank must pass the same keys with the same shapes, in the same order.
-    """
+    Returns new dicts with the same keys, shapes and float64 CPU tensors. Every rank must
+    pass the same keys with the same shapes, in the same order."""
     for name, group in (("sums", sums), ("maxes", maxes)):
         if not isinstance(group, dict):
             raise TypeError(f"{name} must be a dict of name -> tensor, got "
@@ -36,25 +208,11 @@ def all_reduce(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}[{key!r}] must be a torch.Tensor, got "
                                 f"{type(t).__name__}")
-    return _reduce(sums, "sum"), _reduce(maxes, "max")
-
-
-def _reduce(group: dict[str, torch.Tensor], op: str) -> dict[str, torch.Tensor]:
-    import torch.distributed as dist
-
-    flat = [t.detach().to("cpu", torch.float64).reshape(-1) for t in group.values()]
-    if not flat:
-        return {}
-    packed = torch.cat(flat)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        device = torch.device("cpu")
-        if dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        buf = packed.to(device)
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-        packed = buf.cpu()
-    out, i = {}, 0
-    for (key, t), f in zip(group.items(), flat, strict=True):
-        out[key] = packed[i:i + f.numel()].view(t.shape)
-        i += f.numel()
-    return out
+    out = []
+    for group, op in ((sums, "sum"), (maxes, "max")):
+        shapes = {k: tuple(t.shape) for k, t in group.items()}
+        vec = _pack(group, list(group), shapes, 0.0, strip="") if group else None
+        if vec is not None and monitor is not None:
+            monitor.all_reduce_(vec, op)
+        out.append({} if vec is None else _unpack(vec, list(group), shapes, strip=""))
+    return out[0], out[1]

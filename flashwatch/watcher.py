@@ -35,11 +35,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from flashwatch import aggregate, probe, qkclip, reduce, smallops, traced
 from flashwatch import dispatch as _dispatch_mod
-from flashwatch import probe, reduce, smallops, traced
 from flashwatch.attach import Attachment, recomputing
 from flashwatch.config import WatchConfig
-from flashwatch.distributed import spectral_norms, world_size, wq_grad_sq
+from flashwatch.distributed import RemoteFailure, spectral_norms, wq_grad_sq
 from flashwatch.kernels.common import AttentionStats, Mode, check_inputs, no_autocast
 from flashwatch.policy import Policy
 from flashwatch.qkclip import QKClip
@@ -57,6 +57,13 @@ STATE_VERSION = 1
 # layer against ≈ 7 on the benchmark GPT for digits no rule reads (error against
 # matrix_norm stays < 1e-3: tests/test_distributed.py).
 SPECTRAL_TOL = 1e-5
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: non_blocking (cudaMemcpyAsync
+    stages a pageable source at once and does not wait for the stream; a blocking copy
+    synchronises it)."""
+    return t.to(device, non_blocking=True)
 
 
 @dataclass
@@ -86,7 +93,9 @@ class _SiteState:
     fallback_calls: int = 0
     pending: list = field(default_factory=list)  # applied mode events not yet seen run
     # accumulators of the current monitored step (reset in step())
-    stats: AttentionStats | None = None  # exact counters of routed calls
+    stats: AttentionStats | None = None  # exact counters of routed calls (on the device)
+    stats_exact: bool = False  # a routed call of this step filled `stats`
+    device_cache: dict = field(default_factory=dict)  # device -> (Ω_x, Ω_a, Ω_q, heads)
     samples: list = field(default_factory=list)  # probe.Sample of each probed call
     probe_rows: int = 0
     grad_rows: int = 0  # sampled rows whose gradient arrived
@@ -120,14 +129,25 @@ class _SiteState:
     # (sample, None, rows) of the step's traced calls by call id, until their gradient
     traced_pending: dict = field(default_factory=dict)
 
+    def on_device(self, device) -> tuple:
+        """(Ω_x, Ω_a, Ω_q, heads) on `device`, moved once per run, not once per call."""
+        got = self.device_cache.get(device)
+        if got is None:
+            got = tuple(_to_device(x, device) for x in (self.omega_x, self.omega_a,
+                                                        self.omega_q, self.heads))
+            self.device_cache[device] = got
+        return got
+
     def reset(self) -> None:
         H = self.site.num_heads
-        self.stats = AttentionStats.zeros(H)
+        dev = self.stats.rows.device if self.stats is not None else "cpu"
+        self.stats = AttentionStats.zeros(H, device=dev)  # stays where the calls ran
+        self.stats_exact = False
         self.samples = []
         self.probe_rows = self.grad_rows = 0
         self.o32 = None
         self.delta_rows = self.delta_missed = self.share_rows = 0
-        self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64)
+        self.wq_grad_sq = torch.full((H,), math.nan, dtype=torch.float64, device=dev)
         self.sampled = False
         self.no_grad_samples = []
         self.traced_pending = {}
@@ -187,6 +207,13 @@ class Watcher:
         self._totals: dict | None = None
         self._samples_done = 0
         self._traced_ids = itertools.count()  # ids of the probed calls in compiled code
+        self._confirmed: list = []  # mode events seen run since the last report
+        self._source = 0  # the rank whose decisions a disagreeing vote adopts
+        # The monitor's own process group, created here on every rank (a collective):
+        # nothing of ours can pair with a training collective (flashwatch/reduce.py).
+        self._monitor = reduce.MonitorGroup(reduce.DEFAULT_TIMEOUT_S)
+        self._monitor.check_same(heads=len(self._heads), layers=len(self.sites),
+                                 sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
         self._removed = False
         self._attachment = Attachment(self)
         for st in self._states:
@@ -526,10 +553,14 @@ class Watcher:
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self._measuring and not recomputing():
-                st.stats.add_(stats.tied_rows.cpu(), 0, stats.guarded_rows.cpu(),
-                              stats.max_logit.cpu())
-                st.stats.rows += stats.rows.cpu()
+            if self._measuring and not recomputing():  # accumulated on the device
+                if st.stats.rows.device != stats.rows.device:  # the step's first call
+                    st.stats = AttentionStats(*(x.to(stats.rows.device) for x in (
+                        st.stats.tied_rows, st.stats.rows, st.stats.guarded_rows,
+                        st.stats.max_logit)))
+                st.stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
+                st.stats.rows += stats.rows
+                st.stats_exact = True
         return out
 
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True):
@@ -603,24 +634,28 @@ class Watcher:
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
             elems, tq = probe.sample_rows(self._gen, B, Nq, n_rows)
-            elems = None if elems is None else elems.to(q.device)
-            tq = tq.to(q.device)
+            elems = None if elems is None else _to_device(elems, q.device)
+            tq = _to_device(tq, q.device)
+            omega_x, omega_a, omega_q, heads = st.on_device(q.device)
             b, t = probe.flat(elems, tq)
             st.sampled = st.sampled or len(b) < B * Nq  # G from some rows only
             o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps)
             o_used = out[b, :, t].float()
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
+            fp32_dev = None
             if routed and bool(fp32_heads.any()):
                 # δ of these heads came from the kernel's FP32 O; its residual error is at
-                # FP32 rounding, far below what the probe resolves: count it as 0.
-                o_used[:, fp32_heads.to(q.device)] = o32[:, fp32_heads.to(q.device)]
+                # FP32 rounding, far below what the probe resolves: count it as 0. A where,
+                # not boolean indexing (nonzero: a host sync on CUDA).
+                fp32_dev = _to_device(fp32_heads, q.device)
+                o_used = torch.where(fp32_dev[None, :, None], o32, o_used)
             every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads, BF16 δ)
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
-                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_heads.to(q.device),
+                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_dev,
                              st.o32_paper)
             # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
             # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
@@ -628,7 +663,7 @@ class Watcher:
             if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                     x.shape[2] == st.site.d_model:
                 xr = x.detach()[b, t].float()
-                z = smallops.matmul(xr, st.omega_x.to(q.device))  # [R, k]
+                z = smallops.matmul(xr, omega_x)  # [R, k]
                 f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
                 share_w = (scale ** 2 * B * Nq / len(b)) * (
                     xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
@@ -637,10 +672,11 @@ class Watcher:
                     self._warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
                                     f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
                                     f"using q-space sketch terms")
-                z = smallops.matmul(q[b, :, t].float(), st.omega_q.to(q.device))  # [R, H, k]
-            y = smallops.matmul(pk, st.omega_a.to(q.device))  # [R, H, k]
-        sample = probe.Sample(heads=st.heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
-                              share_w=share_w, d=probe.o_error(o_used, o32))
+                z = smallops.matmul(q[b, :, t].float(), omega_q)  # [R, H, k]
+            y = smallops.matmul(pk, omega_a)  # [R, H, k]
+        sample = probe.Sample(heads=heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
+                              share_w=share_w, d=probe.o_error(o_used, o32),
+                              shape=(B, Nq))
         st.samples.append(sample)
         st.probe_rows += len(b)  # with its ties, never apart from them
         return sample, every_row, B * Nq
@@ -654,8 +690,10 @@ class Watcher:
         if not (out.requires_grad and st.no_grad_samples):
             return
         sample, every_row, n_rows = st.no_grad_samples.pop()
-        b, t, d = sample.b, sample.t, sample.d
-        if out.dim() != 4 or not (int(b.max()) < out.shape[0] and int(t.max()) < out.shape[2]
+        d = sample.d
+        # the call's shape, known on the host (b.max() would be a host sync)
+        if out.dim() != 4 or not (sample.shape[0] <= out.shape[0]
+                                  and sample.shape[1] <= out.shape[2]
                                   and d.shape[1:] == (out.shape[1], out.shape[3])):
             self._warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
                             f"call's output {tuple(out.shape)} does not fit the sample of "
@@ -683,7 +721,8 @@ class Watcher:
                         else:
                             c_all = (grad.float() * (o_all.float() - o32_all)).sum(
                                 -1, dtype=torch.float64)
-                        c_all[:, fp32_heads] = 0.0  # δ used the FP32 O: no error
+                        if fp32_heads is not None:  # δ used the FP32 O: no error
+                            c_all = c_all.masked_fill(fp32_heads[None, :, None], 0.0)
                         # The sampled rows' c is the kernel's own: exactly what FP32_O
                         # removes. Elsewhere it is against the probe's FP32 recomputation,
                         # which also counts the rounding of P̄ in O (reads high: README).
@@ -731,7 +770,8 @@ class Watcher:
         done = [s for st in self._states for s in st.samples if s.c is not None]
         # Into a copy: if the reduction fails, the samples stay for step() to reduce.
         acc = None if self._totals is None else {k: v.clone() for k, v in self._totals.items()}
-        self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim, acc)
+        self._totals = probe.totals(done, len(self._heads), self.config.sketch_dim, acc,
+                                    device=done[0].d.device if done else "cpu")
         for st in self._states:
             st.samples = [s for s in st.samples if s.c is None]
             # reduced: only a further backward (retain_graph) would look for it again
@@ -741,14 +781,35 @@ class Watcher:
     # ------------------------------------------------------------------------- step
 
     def _build_report(self, step: int) -> StepReport:
-        cfg = self.config
-        n, k = len(self._heads), cfg.sketch_dim
-        # every probed call not reduced yet, of every layer at once (flashwatch/probe.py)
-        tot = probe.totals([smp for st in self._states for smp in st.samples], n, k,
-                           self._totals)
+        """A monitored step's report. Every rank issues the same collectives in the same
+        order whatever fails locally (flashwatch/reduce.py): buffers → W^Q norms (sharded
+        ones: collectives) → one move to the host → exchange → decide → vote."""
+        not_applied, withdrawn = self._judge_modes()
+        local = None
+        try:
+            layers, totals = self._step_buffers()
+        except Exception as e:
+            self._error("step totals", e)
+            layers = totals = None
+        sigma = self._spectral()  # every rank: sharded W^Q norms are collectives
+        if layers is not None:
+            try:
+                local = aggregate.contribution(
+                    aggregate.to_host(aggregate.gather(layers, totals, sigma)))
+            except Exception as e:
+                self._error("step totals", e)
+        self._clear_step()
+        red = self._exchange(local, step)
+        decision, values, arrays, clips = self._decide_together(step, red)
+        if arrays is None:
+            raise RuntimeError(f"no numbers to report at step {step}: "
+                               f"{self._monitor.broken or 'see the errors logged above'}")
+        return self._report(step, arrays, values, decision, clips, not_applied, withdrawn)
+
+    def _judge_modes(self) -> tuple[dict, list]:
+        """Which layers' non-STANDARD modes did not run since the last report, and the
+        events withdrawn for it (local facts: each rank reports its own)."""
         not_applied, withdrawn = {}, []
-        per_head = []  # per layer, repeated over its heads: exact?, probe rows, grad rows,
-        # rows with c, rows without, rows behind the ‖E‖² estimate, sampled?, averaged?
         for st in self._states:
             reason = self._not_applied(st)
             if reason is not None:  # say so, never claim the modes applied
@@ -757,89 +818,169 @@ class Watcher:
                     self._error(f"mitigation {st.site.name}", RuntimeError(reason))
                     withdrawn += self._withdraw(st, reason)
             elif st.routed_calls > 0:
+                self._confirmed += [e for e in st.pending if e.applied]
                 st.pending.clear()  # seen run: the events stand
                 st.unmitigable = None
             st.module_calls = st.routed_calls = st.fallback_calls = 0
-            per_head += [(bool(st.stats.rows.any()), st.probe_rows, st.grad_rows,
-                          st.delta_rows, st.delta_missed, st.share_rows, st.sampled,
-                          st.wq_grad_averaged)] * st.site.num_heads
-        # one op per field over all layers, not one per layer and field
-        stats = [torch.cat([getattr(st.stats, f) for st in self._states]).double()
-                 for f in ("tied_rows", "rows", "max_logit", "guarded_rows")]
-        wq_grad_sq = torch.cat([st.wq_grad_sq for st in self._states])
-        self._clear_step()
-        cols = torch.tensor(per_head, dtype=torch.float64).T
-        exact, sampled, averaged = cols[0] > 0, cols[6] > 0, cols[7] > 0
-        # routed: the kernel's exact counts over all rows; else the probe's sample
-        tied = torch.where(exact, stats[0], tot["tied"])
-        rows = torch.where(exact, stats[1], cols[1])
-        max_logit = torch.maximum(stats[2], tot["row_max"])
-        grad_rows = cols[2]
-        sigma = torch.full((n,), math.nan, dtype=torch.float64)
-        delta_sum, G = tot["delta_sum"], tot["G"]
-        # summed over ranks like delta_sum: Σc², rows with c, rows without, ‖E‖² estimate,
-        # rows behind it, ‖dW^Q_h‖², guarded rows
-        extra = torch.stack([tot["delta_sq"], cols[3], cols[4], tot["share_num"], cols[5],
-                             wq_grad_sq, stats[3]])
-        # plain W^Q from their Gram matrices, same-shape ones batched over layers; sharded
-        # (DTensor) ones by the sharded power iteration (flashwatch/distributed.py)
-        with torch.no_grad():
-            norms = spectral_norms([st.site for st in self._states],
-                                   [st.power_v for st in self._states], cfg.power_iters,
-                                   max_iters=cfg.power_max_iters, tol=SPECTRAL_TOL)
+        return not_applied, withdrawn
+
+    def _step_buffers(self) -> tuple[list, dict]:
+        """The layers' buffers and the probe totals of every call not reduced yet, where
+        they were accumulated (flashwatch/probe.py, flashwatch/aggregate.py)."""
+        rest = [smp for st in self._states for smp in st.samples]
+        device = (self._totals["G"].device if self._totals is not None
+                  else rest[0].d.device if rest else "cpu")
+        tot = probe.totals(rest, len(self._heads), self.config.sketch_dim, self._totals,
+                           device=device)
+        layers = [aggregate.LayerBuffers(
+            num_heads=st.site.num_heads, exact=bool(st.stats_exact),
+            tied_rows=st.stats.tied_rows, rows=st.stats.rows,
+            guarded_rows=st.stats.guarded_rows, max_logit=st.stats.max_logit,
+            wq_grad_sq=st.wq_grad_sq, probe_rows=st.probe_rows, grad_rows=st.grad_rows,
+            delta_rows=st.delta_rows, delta_missed=st.delta_missed,
+            share_rows=st.share_rows, sampled=st.sampled, averaged=st.wq_grad_averaged)
+            for st in self._states]
+        return layers, tot
+
+    def _spectral(self) -> list:
+        """Each layer's W^Q spectral norms [H] where they are computed (NaN: failed).
+        Plain W^Q from their Gram matrices, same-shape ones batched over layers; sharded
+        (DTensor) ones by the fault-symmetric sharded power iteration, on every rank."""
+        cfg = self.config
+        try:
+            with torch.no_grad():
+                norms = spectral_norms([st.site for st in self._states],
+                                       [st.power_v for st in self._states], cfg.power_iters,
+                                       monitor=self._monitor, max_iters=cfg.power_max_iters,
+                                       tol=SPECTRAL_TOL)
+        except Exception as e:
+            self._error("spectral norms", e)
+            norms = [e] * len(self._states)
+        out = []
         for st, got in zip(self._states, norms, strict=True):
             if isinstance(got, Exception):
-                self._error(f"spectral norm {st.site.name}", got)
+                if not isinstance(got, RemoteFailure):  # counted where it happened
+                    self._error(f"spectral norm {st.site.name}", got)
+                out.append(torch.full((st.site.num_heads,), math.nan, dtype=torch.float64))
                 continue
             s, st.power_v = got
-            sigma[st.offset:st.offset + st.site.num_heads] = s.double().cpu()
-        # One SUM and one MAX all_reduce (flashwatch/reduce.py); a new summed or maxed
-        # per-head quantity is one more entry here (or one more row of `extra`).
-        sums, maxes = reduce.all_reduce(
-            dict(tied=tied, rows=rows, delta_sum=delta_sum, grad_rows=grad_rows, G=G,
-                 extra=extra),
-            dict(max_logit=max_logit))
-        # From here on numpy on views of the reduced CPU float64 tensors: ≈ 1 µs an op on
-        # [n_heads] arrays against ≈ 5 µs for torch's.
-        tied, rows, delta_sum, grad_rows, G, extra = (
-            sums[k].numpy() for k in ("tied", "rows", "delta_sum", "grad_rows", "G", "extra"))
-        max_logit = maxes["max_logit"].numpy()
-        delta_sq, delta_rows, delta_missed, share_num, share_rows, wq_grad_sq, guarded = extra
-        sampled, averaged = sampled.numpy(), averaged.numpy()
-        # Sums over rows keep their size whatever the world size W (docs/design.md §5).
-        # Each rank's dO is that of its own mean loss, W times its rows' share of the
-        # averaged gradient DDP and FSDP step on: ÷W. Sampled rows: every rank samples
-        # rows_per_head rows, W times one process's count: ÷W again (a mean over ranks).
-        # The sign statistics get the sums ÷W only (Σc²: ÷W²): scale-free, and with the
-        # power of every rank's rows.
-        W = world_size()
-        with np.errstate(divide="ignore", invalid="ignore"):  # NaN where it is dropped
-            row_sampled = delta_missed > 0  # Σc from sampled rows (not every row)
-            delta_sum_w, delta_sq_w = delta_sum / W, delta_sq / (W * W)
-            delta_sum = delta_sum / np.where(row_sampled, float(W * W), float(W))
-            G = G / np.where(sampled, float(W * W), float(W))[:, None, None]
-            tie_ratio = np.where(rows == 0, np.nan, tied / np.maximum(rows, 1.0))
-            max_logit = np.where(np.isneginf(max_logit), np.nan, max_logit)
-            no_grad = grad_rows == 0
-            delta_sum = np.where(no_grad, np.nan, delta_sum)
-            G = np.where(no_grad[:, None, None], np.nan, G)
-            # Across ranks: ratio of the rank sums (‖E_r‖² and ‖dW^Q_r‖² of the local
-            # gradients), i.e. the per-rank share. NaN without X, rows or a W^Q gradient.
-            # Under FSDP2 the denominator is the averaged gradient's (each rank its
-            # shard): the numerator then counts every rank's error at the global loss's
-            # scale, its dO being W times that: ÷W².
-            share_num = np.where(averaged, share_num / (W * W), share_num)
-            share = np.sqrt(share_num / wq_grad_sq)
-            share = np.where((share_rows == 0) | ~(wq_grad_sq > 0), np.nan, share)
+            out.append(s)
+        return out
+
+    def _exchange(self, local: dict | None, step: int):
+        """reduce.exchange on the monitor's group, or None once the group is broken.
+        Ranks at different step counts are told so (every rank: it is in the reduced
+        numbers) and realigned to the highest."""
+        shapes = aggregate.shapes(len(self._heads), self.config.sketch_dim)
+        monitor = self._monitor if self._monitor.distributed else None
+        if monitor is not None and monitor.broken is not None:
+            return None
+        try:
+            red = reduce.exchange(monitor, local, local, shapes, step=step)
+        except Exception as e:
+            self._error("cross-rank reduction", e)
+            return None
+        if red.local_error is not None:
+            self._error("cross-rank reduction", red.local_error)
+        if not red.in_step:
+            self._error("step alignment", RuntimeError(
+                f"ranks reached different monitored steps (lowest step count "
+                f"{red.steps[0]}, highest {red.steps[1]}; this rank {step}): every rank must "
+                f"call watcher.step() once per optimizer step and load the same watcher "
+                f"state; decisions are skipped and step counts realigned to "
+                f"{red.steps[1]}"))
+            self._step = red.steps[1] + 1
+            self._monitoring = self._step % self.config.every_n_steps == 0
+            self._arm()
+        elif red.failed_ranks and local is not None:
+            self._warn_global("remote", f"flashwatch: {red.failed_ranks} rank(s) failed "
+                              f"to measure step {step}; its numbers miss their rows and "
+                              f"no mode changes are decided from it")
+        return red
+
+    def _decide_together(self, step: int, red):
+        """finish → signals → policy → QK-clip plan, then a vote that every rank issues:
+        if any rank failed (or holds other modes), every rank takes the state of the
+        lowest rank that did not fail, so modes stay identical everywhere."""
+        decision = values = arrays = None
+        failed, clip_plan = False, None
+        try:
+            if red is not None:
+                arrays = aggregate.finish(red.sums, red.maxes, self._monitor.world)
+                if red.in_step and not red.failed_ranks:
+                    values, decision = self._decide(step, arrays)
+                    clip_plan = self._qk_clip_plan(arrays)
+        except Exception as e:
+            self._error("decide", e)
+            failed, decision = True, None
+        modes = (decision.modes if decision is not None else
+                 torch.cat([st.modes for st in self._states]).long())
+        agreed = red is None or self._vote_agrees(failed, modes)
+        if not agreed and self._monitor.rank != self._source:
+            decision = None  # this rank takes the source rank's decision instead
+        if decision is not None:
+            self._apply_decision(decision)
+        if not agreed:
+            clip_plan = None  # weights change only where every rank agreed
+            self._heal()
+        clips = self._safe_qk_clip(step, arrays, clip_plan)
+        return decision, values, arrays, clips
+
+    def _decide(self, step: int, a: aggregate.HeadArrays):
         t = torch.from_numpy
-        tie_ratio, max_logit, share = t(tie_ratio), t(max_logit), t(share)
-        G, delta_sum_w, delta_sq_w, wq_grad_sq = (t(x) for x in (G, delta_sum_w, delta_sq_w,
-                                                                 wq_grad_sq))
-        values = self._signals.update(G, sigma, delta_sum_w, delta_sq_w, share,
-                                      share_weight=wq_grad_sq)
+        values = self._signals.update(t(a.G), t(a.sigma), t(a.delta_sum_w), t(a.delta_sq_w),
+                                      t(a.share), share_weight=t(a.wq_grad_sq))
         modes = torch.cat([st.modes for st in self._states]).long()
-        decision = self._policy.decide(step, tie_ratio, values, modes, max_logit=max_logit,
-                                       share=share)
+        decision = self._policy.decide(step, t(a.tie_ratio), values, modes,
+                                       max_logit=t(a.max_logit), share=t(a.share))
+        return values, decision
+
+    def _vote_agrees(self, failed: bool, modes: torch.Tensor) -> bool:
+        """One MAX all_reduce of [failed, mode hash, -mode hash, -(first healthy rank)]:
+        True when no rank failed and all hold the same modes."""
+        mon = self._monitor
+        if not mon.distributed:
+            return not failed
+        h = float((modes.double() * torch.arange(1, modes.numel() + 1,
+                                                  dtype=torch.float64)).sum())
+        me = float(mon.world if failed else mon.rank)
+        vote = torch.tensor([float(failed), h, -h, -me], dtype=torch.float64)
+        try:
+            mon.all_reduce_(vote, "max")
+        except Exception as e:
+            self._error("vote", e)
+            return False
+        self._source = int(-vote[3])  # the lowest rank that did not fail
+        agree = vote[0] == 0 and vote[1] == -vote[2]
+        if not agree:
+            self._warn_global("vote", "flashwatch: ranks disagreed at a monitored step (a "
+                              "rank failed, or holds other head modes); every rank takes "
+                              "the decisions of the lowest rank that did not fail")
+        return bool(agree)
+
+    def _heal(self) -> None:
+        """Every rank takes the signals, policy and modes of `self._source` (one
+        broadcast on the monitor's group; no healthy rank: each keeps its own)."""
+        mon = self._monitor
+        if not mon.distributed or self._source >= mon.world:
+            return
+        import torch.distributed as dist
+
+        box = [None]
+        if mon.rank == self._source:
+            box = [dict(signals=self._signals.state_dict(), policy=self._policy.state_dict(),
+                        modes=[st.modes.clone() for st in self._states])]
+        try:
+            dist.broadcast_object_list(box, src=self._source, group=mon.group)
+            if mon.rank != self._source:
+                self._signals.load_state_dict(box[0]["signals"])
+                self._policy.load_state_dict(box[0]["policy"])
+                for st, m in zip(self._states, box[0]["modes"], strict=True):
+                    self._set_modes(st, m.clone().to(torch.int32))
+        except Exception as e:
+            self._error("state broadcast", e)
+
+    def _apply_decision(self, decision) -> None:
         new_modes = decision.modes.to(torch.int32)
         for st in self._states:
             self._set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
@@ -850,36 +991,47 @@ class Watcher:
         if decision.reset_window.any():
             self._signals.reset_window(decision.reset_window)
         self._events.extend(decision.events)
-        clips = self._safe_qk_clip(step, max_logit, new_modes)
+
+    def _report(self, step, a, values, decision, clips, not_applied, withdrawn) -> StepReport:
+        n = len(self._heads)
+        nan = np.full(n, np.nan)
+        modes = torch.cat([st.modes for st in self._states]).long()
+        cols = dict(
+            tied_rowmax_ratio=a.tie_ratio, attention_max_logit=a.max_logit,
+            delta_error_sum=a.delta_sum, delta_error_rows=a.delta_rows,
+            delta_error_all_rows=(a.delta_rows > 0) & (a.delta_missed == 0),
+            delta_error_share=a.share, guarded_rows=a.guarded.astype(np.int64),
+            wq_spectral_norm=a.sigma)
+        # values None: nothing was decided this step (signals not updated): NaN
+        for f in ("delta_sign_z", "delta_error_share_mean", "delta_error_share_std", "r_projection",
+                  "r_projection_cumulative", "delta_drift_z", "delta_coherence"):
+            cols[f] = nan if values is None else getattr(values, f)
         # One tolist() per field, not a tensor index per head and field (5,120 heads:
-        # benchmarks/bench_scale.py); a new per-head field is one more entry here.
-        columns = {k: v.tolist() for k, v in dict(
-            tied_rowmax_ratio=tie_ratio, attention_max_logit=max_logit,
-            delta_error_sum=delta_sum, delta_error_rows=delta_rows,
-            delta_error_all_rows=(delta_rows > 0) & (delta_missed == 0),
-            delta_sign_z=values.delta_sign_z, delta_error_share=share,
-            delta_error_share_mean=values.delta_error_share_mean,
-            delta_error_share_std=values.delta_error_share_std,
-            guarded_rows=guarded.astype(np.int64), r_projection=values.r_projection,
-            r_projection_cumulative=values.r_projection_cumulative,
-            delta_drift_z=values.delta_drift_z, delta_coherence=values.delta_coherence,
-            wq_spectral_norm=sigma).items()}
-        ran = new_modes.clone()  # what the kernel runs: not a layer's modes it cannot apply
+        # benchmarks/bench_scale.py).
+        columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v))
+                   for k, v in cols.items()}
+        ran = modes.clone()  # what the kernel runs: not a layer's modes it cannot apply
         for st in self._states:
             if st.site.name in not_applied:
                 ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
-        modes_now, recommended = ran.tolist(), decision.recommended.tolist()
-        flagged = decision.flagged.tolist()
+        recommended = (decision.recommended if decision is not None else modes).tolist()
+        flagged = (decision.flagged if decision is not None
+                   else torch.zeros(n, dtype=torch.bool)).tolist()
         names = list(columns)
         records = [HeadRecord(layer=layer, head=head, **dict(zip(names, vals, strict=True)),
                               head_mode=Mode(m), recommended_mode=Mode(r), flagged=bool(f))
                    for (layer, head), m, r, f, *vals in zip(
-                       self._heads, modes_now, recommended, flagged, *columns.values(),
+                       self._heads, ran.tolist(), recommended, flagged, *columns.values(),
                        strict=True)]
-        events = self._unreported + withdrawn + list(decision.events) + clips
+        events = self._unreported + withdrawn + \
+            (list(decision.events) if decision is not None else []) + clips
         self._unreported = []
-        return StepReport(step=step, heads=records, events=events,
-                          unmitigable=not_applied, qk_clips_total=self._qk_clip.total)
+        report = StepReport(step=step, heads=records, events=events,
+                            unmitigable=not_applied, qk_clips_total=self._qk_clip.total)
+        if hasattr(report, "confirmed"):  # mode events seen run (counters count these)
+            report.confirmed = self._confirmed
+        self._confirmed = []
+        return report
 
     def _not_applied(self, st: _SiteState) -> str | None:
         """Why the layer's non-STANDARD modes did not run since the last report, if they
@@ -911,9 +1063,22 @@ class Watcher:
         st.pending.clear()
         return out
 
-    def _safe_qk_clip(self, step, max_logit, modes) -> list:
-        """QK-clip after the reduction: max_logit is the same on every rank, so are the
-        factors (flashwatch/qkclip.py)."""
+    def _qk_clip_plan(self, a) -> torch.Tensor | None:
+        """The reduced max logits QK-clip will act on, checked before the vote (its
+        factors are a pure function of them, the same on every rank); None: no clip."""
+        cfg = self.config
+        if cfg.qk_clip_threshold is None or cfg.mitigation == "off":
+            return None
+        max_logit = torch.from_numpy(a.max_logit)
+        qkclip.clip_factors(max_logit, cfg.qk_clip_threshold)
+        return max_logit
+
+    def _safe_qk_clip(self, step, a, max_logit) -> list:
+        """QK-clip after the vote: every rank that agreed scales the same heads by the
+        same factors (flashwatch/qkclip.py)."""
+        if max_logit is None:
+            return []
+        modes = torch.cat([st.modes for st in self._states]).long()
         try:
             clips = self._qk_clip.apply(step, max_logit, modes)
         except Exception as e:
@@ -932,6 +1097,11 @@ class Watcher:
             log.error("flashwatch: %s failed (%s: %s); training continues, the error is "
                       "counted in flashwatch_monitor_errors_total and logged once",
                       where, type(exc).__name__, exc, exc_info=exc)
+
+    def _warn_global(self, key: str, message: str) -> None:
+        if key not in self._error_keys:
+            self._error_keys.add(key)
+            log.warning(message)
 
     def _warn_once(self, st: _SiteState, key: str, message: str) -> None:
         if key not in st.warned:

@@ -1,4 +1,5 @@
-"""flashwatch/reduce.py: SUM/MAX all_reduce of named per-head tensors, constant size."""
+"""flashwatch/reduce.py: SUM/MAX all_reduce of named per-head tensors, constant size, on
+the monitor's own group; the fault-symmetric exchange."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def _worker(rank, world, init_file, out_dir):
                             world_size=world)
     sums, maxes = _inputs(rank)
     expected = _all_gather_reference(sums, maxes)
+    monitor = reduce.MonitorGroup(timeout_s=60)
     calls = []
     real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
 
@@ -59,7 +61,7 @@ def _worker(rank, world, init_file, out_dir):
 
     dist.all_reduce, dist.all_gather = counting_all_reduce, forbidden
     try:
-        got = reduce.all_reduce(sums, maxes)
+        got = reduce.all_reduce(sums, maxes, monitor)
     finally:
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     torch.save(dict(got=got, expected=expected, calls=calls), f"{out_dir}/rank{rank}.pt")
@@ -110,3 +112,50 @@ def test_bad_arguments_name_themselves():
         reduce.all_reduce([torch.zeros(2)], {})
     with pytest.raises(TypeError, match=r"maxes\['m'\] must be a torch.Tensor"):
         reduce.all_reduce({}, {"m": [1.0]})
+
+
+def _exchange_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    monitor = reduce.MonitorGroup(timeout_s=60)
+    shapes = {"a": (N_HEADS,), "G": (N_HEADS, K, K), "max:m": (N_HEADS,)}
+    sums, maxes = _inputs(rank)
+    local = dict(a=sums["delta_sum"], G=sums["G"], m=maxes["max_logit"])
+    out = {}
+    # rank 1's local stage failed: it sends fills, both ranks hear of it
+    out["failed"] = reduce.exchange(monitor, None if rank == 1 else local,
+                                    None if rank == 1 else local, shapes, step=4)
+    out["both"] = reduce.exchange(monitor, local, local, shapes, step=6 + 2 * rank)
+    try:
+        monitor.check_same(heads=N_HEADS + rank, sketch_dim=K)
+        out["check"] = None
+    except ValueError as e:
+        out["check"] = str(e)
+    out["local"] = local
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_exchange_carries_failures_and_step_counts_to_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_exchange_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    r = [torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2)]
+    for rank in range(2):
+        failed, both = r[rank]["failed"], r[rank]["both"]
+        # rank 1 contributed zeros and -inf: the sums are rank 0's alone
+        assert failed.failed_ranks == 1 and failed.steps == (4, 4)
+        assert torch.equal(failed.sums["a"], r[0]["local"]["a"])
+        assert torch.equal(failed.maxes["m"], r[0]["local"]["m"])
+        # step counts 6 and 8: every rank learns both
+        assert both.failed_ranks == 0 and both.steps == (6, 8) and not both.in_step
+        assert torch.equal(both.sums["G"], r[0]["local"]["G"] + r[1]["local"]["G"])
+        assert "heads ranges over 6..7" in r[rank]["check"]
+
+
+def test_monitor_group_timeout_is_validated():
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        reduce.MonitorGroup(timeout_s=0)
