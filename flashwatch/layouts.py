@@ -171,8 +171,13 @@ class QCheck:
             pre = self.pre
             if pre is None or pre.numel() != B * N * H * D:
                 return False
-            got = pre.reshape(B, N, H, D)[0, :n].float()
-            err, ref = (got - want).norm(), want.norm()
+            # [B, N, H, D] (Qwen3) or [B, N, H·D] (OLMo2), or after the transpose to
+            # [B, H, N, D] (Gemma3): the one closer to want (the same when H == N)
+            views = [pre.reshape(B, N, H, D)]
+            if pre.dim() == 4 and tuple(pre.shape[1:3]) == (H, N):
+                views.append(pre.transpose(1, 2))
+            err = min((v[0, :n].float() - want).norm() for v in views)
+            ref = want.norm()
             what = "the input of its q norm"
         else:
             a, g = want.norm(dim=-1), q[0, :, :n].float().norm(dim=-1).transpose(0, 1)

@@ -28,12 +28,13 @@ from torch.overrides import TorchFunctionMode
 
 import flashwatch as fw
 from flashwatch import Mode
+from flashwatch.layouts import QCheck
 from flashwatch.qkclip import qk_norm
 from standins import HF_ARCHS, hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "qwen3_next", "gemma2", "gemma3", "phi3",
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_next", "gemma2", "gemma3", "phi3",
          "gpt_neox", "falcon", "falcon_new", "bloom", "gpt2", "opt", "bert", "vit", "t5",
          "bart"]
 RECIPES = ["fp32", "bf16", "autocast"]
@@ -73,16 +74,29 @@ class Scores(TorchFunctionMode):
     scale·q·kᵀ, causal and bool masks as -inf, float masks added (as SDPA does), with
     q and k cast as autocast casts SDPA's inputs."""
 
-    def __init__(self, modules):
+    def __init__(self, sites):
         super().__init__()
-        self.current, self.max = [None], {}
-        self.handles = [m.register_forward_pre_hook(
-            lambda mod, a, n=n: self.current.__setitem__(0, n)) for n, m in modules.items()]
+        self.current, self.max, self.x, self.q = [None], {}, {}, {}
+        self.checks = {s.name: QCheck(s) for s in sites}
+        self.handles = [h for c in self.checks.values() for h in c.arm()]
+        for s in sites:
+            self.handles += [
+                s.module.register_forward_pre_hook(
+                    lambda mod, a, n=s.name: self.current.__setitem__(0, n)),
+                s.q_module.register_forward_pre_hook(self._keep_x(s.name))]
+
+    def _keep_x(self, name):
+        def hook(module, args):  # X of the layer's first call; None: the input unchanged
+            self.x.setdefault(name, args[0].detach())
+        return hook
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and self.current[0] is not None:
+        name = self.current[0]
+        if func is F.scaled_dot_product_attention and name is not None:
             self._record(*args, **kwargs)
+            if name not in self.q:  # the layout check of the layer's first call
+                self.q[name] = self.checks[name](self.x.get(name), args[0])
         return func(*args, **kwargs)
 
     def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -138,7 +152,7 @@ def outcome(arch: str, recipe: str) -> dict:
             "eager softcapping, no SDPA" if "softcapped" in msg else "no SDPA call"
         return dict(layout="-", measured=f"refused ({why})", mitigable="-", qk_clip="-")
     sites = {s.name: s for s in w.sites}
-    with Scores({n: s.module for n, s in sites.items()}) as oracle:
+    with Scores(w.sites) as oracle:
         out = _forward(model, inputs, recipe)
         _loss(out).backward()
     report = w.step()
@@ -147,6 +161,7 @@ def outcome(arch: str, recipe: str) -> dict:
     errors = 2 if arch in INTERLEAVED and not _wq_grad_fixed() else 0  # one per layer
     assert report is not None and w.monitor_errors_total == errors, w.monitor_errors_total
     got = {(h.layer, h.head): h for h in report.heads}
+    assert all(oracle.q.values()) and len(oracle.q) == len(sites)  # layouts.QCheck passed
     for name, site in sites.items():
         want = oracle.max[name]  # every watched layer made an SDPA call
         fw_max = torch.tensor([got[(name, h)].attention_max_logit for h in range(4)])

@@ -30,7 +30,9 @@ def capture(model, sites, inputs, monkeypatch):
         return real(q, *args, **kwargs)
 
     def keep(key, name):
-        return lambda m, a: got.setdefault(name, {}).setdefault(key, a[0].detach().clone())
+        def hook(module, args):  # returns None: the input goes on unchanged
+            got.setdefault(name, {}).setdefault(key, args[0].detach().clone())
+        return hook
 
     for s in sites:
         handles.append(s.module.register_forward_pre_hook(
