@@ -75,7 +75,7 @@ def test_fused_and_gated_projections_give_the_true_w_q_per_head(arch, monkeypatc
 
 
 def test_bloom_slice_is_per_head_and_bloom_is_refused_by_name():
-    from flashwatch.sites import _match
+    from flashwatch.discovery import _match
 
     model, kind = hf_tiny("bloom")
     attn = model.transformer.h[0].self_attention
