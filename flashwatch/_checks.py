@@ -3,6 +3,8 @@
     check_int("top_k", top_k, min=0, hint="0 = no worst-head keys")
     check_bool("log_per_head", log_per_head)
     log_once(log, self._logged, "sink", "flashwatch: %s failed", what, level=logging.ERROR)
+    except ImportError as e:  # around an optional import
+        raise missing_extra("lightning", "lightning", "flashwatch.integrations.lightning") from e
 
 A bool is not accepted as an int (True is an int to Python, never a count to a user).
 Messages name the argument, the bad value and what to pass instead (the house rule).
@@ -50,3 +52,10 @@ def log_once(logger: logging.Logger, seen: set, key, msg: str, *args,
     seen.add(key)
     logger.log(level, msg, *args, exc_info=exc_info)
     return True
+
+
+def missing_extra(package: str, extra: str, needed_by: str) -> ImportError:
+    """The one-line ImportError to raise when `needed_by` cannot import `package`:
+    which extra installs it, pip install 'flashwatch[<extra>]'."""
+    return ImportError(f"{needed_by} needs {package}, which is not installed; install it "
+                       f"with: pip install 'flashwatch[{extra}]'")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from dataclasses import asdict, dataclass, fields
 
+from flashwatch._checks import check_bool, check_int
 from flashwatch.dispatch import BACKENDS
 
 MITIGATIONS = ("off", "advise", "auto")
@@ -157,11 +160,11 @@ class WatchConfig:
             if isinstance(self.rows_per_head, str):
                 raise ValueError(f"rows_per_head must be a positive int or \"all\", got "
                                  f"{self.rows_per_head!r}")
-            _check_int("rows_per_head", self.rows_per_head, minimum=1)
+            check_int("rows_per_head", self.rows_per_head, min=1)
         for name in positive_ints:
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("min_history", self.min_history, minimum=0)
-        _check_int("seed", self.seed, minimum=0)
+            check_int(name, getattr(self, name), min=1)
+        check_int("min_history", self.min_history, min=0)
+        check_int("seed", self.seed, min=0)
         if self.power_max_iters < self.power_iters:
             raise ValueError(f"power_max_iters must be ≥ power_iters ({self.power_iters}), "
                              f"got {self.power_max_iters}")
@@ -179,10 +182,9 @@ class WatchConfig:
             raise ValueError(f"mitigation must be one of {MITIGATIONS}, got {self.mitigation!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.route_all, bool):
-            raise TypeError(f"route_all must be a bool, got {self.route_all!r}")
+        check_bool("route_all", self.route_all)
         _check_float("delta_share_threshold", self.delta_share_threshold, lower=0.0)
-        _check_int("delta_share_steps", self.delta_share_steps, minimum=1)
+        check_int("delta_share_steps", self.delta_share_steps, min=1)
         _check_float("beta_max_excess", self.beta_max_excess, lower=0.0)
         _check_float("growth_min_logit", self.growth_min_logit, lower=-math.inf,
                      lower_ok=True)
@@ -194,22 +196,35 @@ class WatchConfig:
         return asdict(self)
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> WatchConfig:
-        """Build from keyword arguments, naming any that WatchConfig does not have."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(
-                f"unknown WatchConfig option(s) {unknown}; valid options: {sorted(known)}"
-            )
-        return cls(**kwargs)
+    def from_kwargs(cls, base: WatchConfig | None = None, /, **kwargs) -> WatchConfig:
+        """`base` (default: the defaults) with the fields in `kwargs` replaced; a
+        TypeError names any keyword WatchConfig does not have and the closest field."""
+        problem = unknown_fields(kwargs)
+        if problem:
+            raise TypeError(f"{problem}; valid options: {sorted(FIELD_NAMES)}")
+        if base is None:
+            return cls(**kwargs)
+        if not isinstance(base, cls):
+            raise TypeError(f"config must be a flashwatch.WatchConfig, got {base!r}; pass "
+                            f"config=WatchConfig(...) or its fields as keywords")
+        return dataclasses.replace(base, **kwargs) if kwargs else base
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
+FIELD_NAMES = tuple(f.name for f in fields(WatchConfig))
+
+
+def unknown_fields(names, extra=()) -> str | None:
+    """None when every name is a WatchConfig field (or in `extra`), else "unknown
+    option(s) [...]" with the closest valid name of each, for the caller's TypeError."""
+    valid = (*FIELD_NAMES, *extra)
+    unknown = sorted(set(names) - set(valid))
+    if not unknown:
+        return None
+    close = {u: difflib.get_close_matches(u, valid, n=1) for u in unknown}
+    hints = [repr(c[0]) if len(unknown) == 1 else f"{c[0]!r} for {u!r}"
+             for u, c in close.items() if c]
+    return f"unknown option(s) {unknown}" + (f" (did you mean {', '.join(hints)}?)"
+                                             if hints else "")
 
 
 def _check_float(name: str, value, *, lower: float, upper: float = math.inf,

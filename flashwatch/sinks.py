@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import IO, Protocol, runtime_checkable
 
+from flashwatch._checks import check_bool, check_int
 from flashwatch.report import StepReport, _json_float
 
 
@@ -57,11 +58,12 @@ class JsonlSink:
     def __init__(self, path: str | os.PathLike, *, fsync: bool = False,
                  rank_zero_only: bool = True, rank: int | None = None,
                  full_every: int | None = None, top: int = 8):
-        for name, v in (("full_every", full_every), ("top", top)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be an int ≥ 1, got {v!r}"
-                                 + ("; or None for the default by model size"
-                                    if name == "full_every" else ""))
+        if full_every is not None:
+            check_int("full_every", full_every, min=1,
+                      hint="or None for the default by model size")
+        check_int("top", top, min=1)
+        check_bool("fsync", fsync)
+        check_bool("rank_zero_only", rank_zero_only)
         _check_rank(rank)
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +110,8 @@ class JsonlSink:
 
 
 def _check_rank(rank) -> None:
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise ValueError(f"rank must be an int ≥ 0 or None (detect it), got {rank!r}")
+    if rank is not None:
+        check_int("rank", rank, min=0, hint="or None (detect it)")
 
 
 def _writes_here(rank_zero_only: bool, rank: int | None) -> bool:
@@ -150,8 +152,9 @@ class ConsoleSink:
 
     def __init__(self, *, top: int = 5, every: int = 1, stream: IO[str] | None = None,
                  rank_zero_only: bool = True, rank: int | None = None):
-        if top < 1 or every < 1:
-            raise ValueError(f"top and every must be ≥ 1, got top={top}, every={every}")
+        check_int("top", top, min=1)
+        check_int("every", every, min=1)
+        check_bool("rank_zero_only", rank_zero_only)
         _check_rank(rank)
         self.top, self.every = top, every
         self.stream = stream or sys.stdout

@@ -6,12 +6,15 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
-from collections.abc import Iterable
 
-import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from flashwatch._checks import log_once, missing_extra
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+except ImportError as e:
+    raise missing_extra("lightning", "lightning", "flashwatch.integrations.lightning") from e
 
 import flashwatch
 from flashwatch.config import WatchConfig
@@ -24,9 +27,11 @@ log = logging.getLogger("flashwatch")
 class FlashWatchCallback(pl.Callback):
     """Watches the attention layers of the LightningModule while it trains.
 
-    Keyword arguments: every field of `flashwatch.WatchConfig` with the same name,
-    type and default (every_n_steps, rows_per_head, sketch_dim, window, seed, eps, beta,
-    backend, route_all, mitigation and the policy thresholds; see its docstring), and:
+    Keyword arguments (the Hugging Face callback takes the same):
+      config           a `flashwatch.WatchConfig` (default: its defaults); any of its
+                       fields may also be passed as a keyword (every_n_steps,
+                       mitigation, ...) and then replaces the config's value:
+                       FlashWatchCallback(config=cfg, every_n_steps=5).
       sinks            extra flashwatch sinks (JsonlSink, ConsoleSink, PrometheusSink,
                        ...). They stay yours: teardown does not close them, so a second
                        fit() writes to them again; close them when done.
@@ -62,9 +67,11 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/monitor_step                  optimizer step the values describe
       flashwatch/monitor_seconds               time flashwatch spent on that step
       flashwatch/monitor_errors_total          failures inside flashwatch so far
-      flashwatch/mitigations_total             mode switches applied so far
+      flashwatch/mitigations_total             mode switches seen running in a monitored
+                                               step since this callback was made (never
+                                               a decision that did not run)
       flashwatch/heads_not_standard            heads in BETA or FP32_O, all layers
-      flashwatch/qk_clips_total                QK-clips applied so far (opt-in)
+      flashwatch/qk_clips_total                QK-clips whose effect was seen (opt-in)
       flashwatch/<layer>/tied_rowmax_ratio_max     max over the layer's heads
       flashwatch/<layer>/attention_max_logit_max
       flashwatch/<layer>/delta_drift_z_max
@@ -74,66 +81,25 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/<layer>/heads_not_standard
       flashwatch/<layer>/heads_flagged         heads the policy flags this step
       flashwatch/worst_<i>/<metric>            i = 1..top_k, heads by delta_drift_z
-                                               (largest first); metric in HEAD_KEYS,
+                                               (largest first); metric: the logged
+                                               rows of flashwatch.metrics (7),
       flashwatch/worst_<i>/layer_index         plus the head's position: layer index in
       flashwatch/worst_<i>/head                watch order, head index
       flashwatch/<layer>/head_<h>/<metric>     only with log_per_head=True: every metric
-      flashwatch/<layer>/head_<h>/head_mode    of HEAD_KEYS and the mode (0, 1, 2)
+      flashwatch/<layer>/head_<h>/head_mode    of those and the mode (0, 1, 2)
     With L watched layers that is 6 + 8·L + 9·top_k keys, per-head adds 8 per head.
     """
 
-    def __init__(
-        self, *,
-        every_n_steps: int = 10,
-        rows_per_head: int | str = 64,
-        sketch_dim: int = 8,
-        window: int = 64,
-        seed: int = 0,
-        eps: float = 1e-3,
-        beta: float = 2.0,
-        backend: str = "auto",
-        route_all: bool = False,
-        mitigation: str = "advise",
-        tie_ratio_threshold: float = 0.02,
-        drift_z_threshold: float = 4.0,
-        coherence_threshold: float = 0.15,
-        spectral_growth_threshold: float = 0.2,
-        spectral_growth_factor: float = 3.0,
-        patience: int = 3,
-        min_history: int = 16,
-        verify_steps: int = 32,
-        power_iters: int = 4,
-        power_max_iters: int = 100,
-        delta_share_threshold: float = 0.1,
-        delta_share_steps: int = 8,
-        beta_max_excess: float = 60.0,
-        growth_min_logit: float = 100.0,
-        qk_clip_threshold: float | None = None,
-        qk_clip_alpha: float = 0.5,
-        sinks: Iterable | None = None,
-        sites=None,
-        log_per_head: bool = False,
-        top_k: int = 3,
-        prometheus_port: int | None = None,
-        prometheus_addr: str = "127.0.0.1",
-        prometheus_rank_zero_only: bool = False,
-        prometheus_certfile: str | None = None,
-        prometheus_keyfile: str | None = None,
-        **unknown,
-    ):
-        if unknown:
-            valid = [p for p in inspect.signature(type(self).__init__).parameters
-                     if p not in ("self", "unknown")]
-            raise TypeError(f"FlashWatchCallback got unknown option(s) {sorted(unknown)}; "
-                            f"valid options: {valid}")
-        args = locals()
-        self.config = WatchConfig(**{f: args[f] for f in WatchConfig.__dataclass_fields__})
-        shared.set_options(self, "FlashWatchCallback", **{o: args[o] for o in shared.OPTIONS})
-        self.watcher: flashwatch.Watcher | None
+    def __init__(self, *, config: WatchConfig | None = None, **kwargs):
+        self.config, options = shared.configure("FlashWatchCallback", config, kwargs)
+        self.sinks, self.sites = list(options.sinks), options.sites
+        self.log_per_head, self.top_k = options.log_per_head, options.top_k
+        self._options = options
+        self.watcher: flashwatch.Watcher | None = None
         self._pending_state: dict | None = None  # loaded before on_fit_start, or left by teardown
         self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
-        self._latest: StepReport | None = None  # newest report not yet logged
-        self._log_failed = False  # logged once
+        self._reports = shared.Reports()  # newest report not yet logged, confirmed counts
+        self._logged: set = set()  # what was logged once
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -182,8 +148,8 @@ class FlashWatchCallback(pl.Callback):
                            f"no attention layer found ({e}). Pass sites=... to name its "
                            f"attention modules (see flashwatch.find_sites).")
             return
-        self.watcher = shared.open_watcher(pl_module, self.config, self.sinks, sites,
-                                           self.prometheus, local_rank=trainer.local_rank,
+        self.watcher = shared.open_watcher(pl_module, self.config, self._options, sites,
+                                           local_rank=trainer.local_rank,
                                            rank=trainer.global_rank)
         if not trainer.loggers:
             rank_zero_warn("FlashWatchCallback: the trainer has no logger, so flashwatch "
@@ -206,29 +172,25 @@ class FlashWatchCallback(pl.Callback):
         if w is None or trainer.global_step == self._seen_step:
             return  # unwatched, or a micro-batch of gradient accumulation
         self._seen_step = trainer.global_step
-        report = w.step()
-        if report is not None:
-            self._latest = report
+        self._reports.add(w.step())
         # Lightning writes step metrics when should_update_logs is true for this batch
         # (every log_every_n_steps optimizer steps); logging on other batches is wasted.
         connector = getattr(trainer, "_logger_connector", None)
-        if self._latest is None or not getattr(connector, "should_update_logs", True):
+        if self._reports.latest is None or not getattr(connector, "should_update_logs", True):
             return
-        report, self._latest = self._latest, None
+        report = self._reports.take()
         if not trainer.is_global_zero:
             return
         try:
             for key, value in self._metrics(report).items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
         except Exception as e:  # logging must never stop training
-            if not self._log_failed:
-                self._log_failed = True
-                log.error("flashwatch: logging through Lightning failed (%s: %s); training "
-                          "continues, sinks still receive reports", type(e).__name__, e,
-                          exc_info=e)
+            log_once(log, self._logged, "log", "flashwatch: logging through Lightning failed "
+                     "(%s: %s); training continues, sinks still receive reports",
+                     type(e).__name__, e, level=logging.ERROR, exc_info=e)
 
     def _metrics(self, report: StepReport) -> dict[str, float]:
-        return shared.logged_metrics(report, self.watcher, top_k=self.top_k,
+        return shared.logged_metrics(report, self.watcher, self._reports, top_k=self.top_k,
                                      log_per_head=self.log_per_head)
 
     def _pause(self, paused: bool) -> None:
@@ -246,4 +208,4 @@ class FlashWatchCallback(pl.Callback):
         # keep the final state: trainer.save_checkpoint() after fit() still saves it
         self._pending_state = shared.close_watcher(self.watcher, self.sinks)
         self.watcher = None
-        self._latest = None
+        self._reports.take()

@@ -13,17 +13,18 @@ import os
 
 import torch
 
+from flashwatch._checks import log_once, missing_extra
+
 try:
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:
-    raise ImportError("flashwatch.integrations.transformers needs Hugging Face transformers; "
-                      "install it with: pip install 'flashwatch[transformers]'") from e
+    raise missing_extra("transformers", "transformers",
+                        "flashwatch.integrations.transformers") from e
 
 import flashwatch
 from flashwatch.config import WatchConfig
 from flashwatch.integrations import shared
-from flashwatch.report import StepReport
 
 log = logging.getLogger("flashwatch")
 
@@ -36,8 +37,9 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
     `trainer`: the Trainer this callback is added to (it logs through `trainer.log`, so
     every `report_to` integration — TensorBoard, W&B, MLflow, ... — gets the keys).
 
-    Keyword arguments: every field of `flashwatch.WatchConfig` (same names and defaults),
-    and, as for the Lightning `FlashWatchCallback`: sinks (yours: never closed by the
+    Keyword arguments, as for the Lightning `FlashWatchCallback` (one implementation,
+    integrations/shared.py): config (a `flashwatch.WatchConfig`) and/or its fields as
+    keywords (a keyword replaces the config's value), sinks (yours: never closed by the
     callback), sites, log_per_head, top_k, prometheus_port (an endpoint on this base port
     + local process index, closed at train end), prometheus_addr,
     prometheus_rank_zero_only, prometheus_certfile, prometheus_keyfile.
@@ -49,7 +51,7 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
       step end     one `watcher.step()` per optimizer step (the Trainer calls it once per
                    gradient_accumulation_steps micro-batches); at the Trainer's logging
                    steps, on the main process only, the newest report's keys go through
-                   `trainer.log`: the bounded set of FlashWatchCallback (5 + 7 per layer
+                   `trainer.log`: the bounded set of FlashWatchCallback (6 + 8 per layer
                    + 9 per top_k head; 8 per head with log_per_head=True).
       evaluation   monitoring pauses while the Trainer evaluates (eval_on_start too).
       save         the watcher's state goes to checkpoint-<step>/flashwatch_state.pt;
@@ -62,29 +64,19 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
       watcher's own failures are also counted in monitor_errors_total).
     """
 
-    def __init__(self, trainer, *, sinks=None, sites=None, log_per_head: bool = False,
-                 top_k: int = 3, prometheus_port: int | None = None,
-                 prometheus_addr: str = "127.0.0.1", prometheus_rank_zero_only: bool = False,
-                 prometheus_certfile: str | None = None, prometheus_keyfile: str | None = None,
-                 **config):
+    def __init__(self, trainer, *, config: WatchConfig | None = None, **kwargs):
         if not isinstance(trainer, transformers.Trainer):
             raise TypeError(f"FlashWatchTrainerCallback needs the transformers.Trainer it is "
                             f"added to (it logs through trainer.log), got {trainer!r}; use "
                             f"trainer.add_callback(FlashWatchTrainerCallback(trainer, ...))")
-        unknown = sorted(set(config) - set(WatchConfig.__dataclass_fields__))
-        if unknown:
-            raise TypeError(f"FlashWatchTrainerCallback got unknown option(s) {unknown}; valid "
-                            f"options: the WatchConfig fields "
-                            f"{list(WatchConfig.__dataclass_fields__)} and sinks, sites, "
-                            f"log_per_head, top_k, prometheus_*")
-        args = locals()
         self.trainer = trainer
-        self.config = WatchConfig(**config)
-        shared.set_options(self, "FlashWatchTrainerCallback",
-                           **{o: args[o] for o in shared.OPTIONS})
-        self.watcher: flashwatch.Watcher | None
+        self.config, options = shared.configure("FlashWatchTrainerCallback", config, kwargs)
+        self.sinks, self.sites = list(options.sinks), options.sites
+        self.log_per_head, self.top_k = options.log_per_head, options.top_k
+        self._options = options
+        self.watcher: flashwatch.Watcher | None = None
         self._final_state: dict | None = None  # the watcher's state at the last train end
-        self._latest: StepReport | None = None  # newest report not yet logged
+        self._reports = shared.Reports()  # newest report not yet logged, confirmed counts
         self._failed: set = set()  # what already failed once (logged once)
 
     def state_dict(self) -> dict:
@@ -107,8 +99,8 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
                             "found (%s). Pass sites=... to name its attention modules (see "
                             "flashwatch.find_sites).", type(model).__name__, e)
             return
-        self.watcher = shared.open_watcher(model, self.config, self.sinks, sites,
-                                           self.prometheus, local_rank=args.local_process_index,
+        self.watcher = shared.open_watcher(model, self.config, self._options, sites,
+                                           local_rank=args.local_process_index,
                                            rank=args.process_index)
         if state.global_step > 0:  # resuming: the Trainer restored global_step
             self._restore(args, state)
@@ -119,16 +111,14 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
         w = self.watcher
         if w is None:
             return
-        report = w.step()
-        if report is not None:
-            self._latest = report
+        self._reports.add(w.step())
         if control.should_evaluate:  # the Trainer evaluates next; on_evaluate resumes
             w.pause()
         # DefaultFlowCallback (always first) has set should_log for this step
-        if control.should_log and self._latest is not None:
-            report, self._latest = self._latest, None
+        if control.should_log and self._reports.latest is not None:
+            report = self._reports.take()
             if state.is_world_process_zero:
-                metrics = shared.logged_metrics(report, w, top_k=self.top_k,
+                metrics = shared.logged_metrics(report, w, self._reports, top_k=self.top_k,
                                                 log_per_head=self.log_per_head)
                 self._guard("logging through trainer.log", self.trainer.log, metrics)
                 control.should_log = True  # trainer.log cleared it; the loss is logged next
@@ -151,7 +141,8 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
 
     def _close(self) -> None:
         self._final_state = shared.close_watcher(self.watcher, self.sinks)
-        self.watcher, self._latest = None, None
+        self.watcher = None
+        self._reports.take()
 
     def _restore(self, args, state) -> None:
         path = _state_path(args, state)
@@ -171,10 +162,8 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
         try:
             fn(*args)
         except Exception as e:
-            if what not in self._failed:
-                self._failed.add(what)
-                log.error("flashwatch: %s failed (%s: %s); training continues", what,
-                          type(e).__name__, e, exc_info=e)
+            log_once(log, self._failed, what, "flashwatch: %s failed (%s: %s); training "
+                     "continues", what, type(e).__name__, e, level=logging.ERROR, exc_info=e)
 
 
 def _state_path(args, state) -> str:

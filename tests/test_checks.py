@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -48,3 +50,26 @@ def test_log_once_logs_once_per_key_and_per_owner(caplog):
     assert [(r.levelno, r.getMessage()) for r in caplog.records] == [
         (logging.WARNING, "first 1"), (logging.ERROR, "second"), (logging.WARNING, "other owner")]
     assert mine == {"a", ("b", 1)}
+
+
+def test_missing_extra_names_the_package_and_the_pip_command():
+    from flashwatch._checks import missing_extra
+
+    e = missing_extra("matplotlib", "report", "flashwatch report")
+    assert isinstance(e, ImportError)
+    assert str(e) == ("flashwatch report needs matplotlib, which is not installed; install "
+                      "it with: pip install 'flashwatch[report]'")
+
+
+@pytest.mark.parametrize("package,module,extra", [
+    ("lightning", "flashwatch.integrations.lightning", "lightning"),
+    ("transformers", "flashwatch.integrations.transformers", "transformers"),
+])
+def test_an_integration_without_its_extra_fails_with_one_line(package, module, extra):
+    """The package is made unimportable in a fresh interpreter (sys.modules[...] = None)."""
+    code = (f"import sys; sys.modules[{package!r}] = None\n"
+            f"try:\n    import {module}\nexcept ImportError as e:\n    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300).stdout
+    assert out == (f"{module} needs {package}, which is not installed; install it with: "
+                   f"pip install 'flashwatch[{extra}]'\n")

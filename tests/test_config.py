@@ -45,3 +45,19 @@ def test_from_kwargs_names_unknown_options():
     with pytest.raises(TypeError, match="every_n_step'"):
         WatchConfig.from_kwargs(every_n_step=5)
     assert WatchConfig.from_kwargs(window=8).window == 8
+
+
+def test_from_kwargs_over_a_base_config_and_the_closest_name():
+    base = WatchConfig(window=8, mitigation="auto")
+    assert WatchConfig.from_kwargs(base) is base
+    assert WatchConfig.from_kwargs(base, seed=3) == WatchConfig(window=8, mitigation="auto",
+                                                                seed=3)
+    with pytest.raises(ValueError, match="window must be ≥ 2"):  # replaced values checked
+        WatchConfig.from_kwargs(base, window=1)
+    with pytest.raises(TypeError, match=r"\(did you mean 'every_n_steps'\?\)"):
+        WatchConfig.from_kwargs(base, every_n_step=5)
+    with pytest.raises(TypeError, match=r"config must be a flashwatch.WatchConfig, got "
+                       r"\{'window': 8\}"):
+        WatchConfig.from_kwargs({"window": 8})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['zz'\]; valid"):  # no hint
+        WatchConfig.from_kwargs(zz=1)

@@ -411,7 +411,7 @@ def test_every_dashboard_query_returns_series_from_a_live_prometheus(tmp_path):
                     break
                 try:
                     if not planted:
-                        # Plant one mitigation (as the watcher reports a policy switch)
+                        # Plant one mitigation (as the watcher reports a switch seen run)
                         # once the zero-initialised counter has been scraped, so
                         # increase() and the annotation query see a real 0 -> 1 step.
                         # Layer 0 head 0: the "one head" substitution below uses the
@@ -419,10 +419,12 @@ def test_every_dashboard_query_returns_series_from_a_live_prometheus(tmp_path):
                         if _api(web, "query",
                                 query="flashwatch_mitigations_total")["result"]:
                             report = trainer.step()
-                            report.events.append(Event(
+                            switch = Event(
                                 step=report.step, layer="transformer.h.0.attn", head=0,
                                 from_mode=Mode.STANDARD, to_mode=Mode.BETA, reason="test",
-                                applied=True))
+                                applied=True)  # seen run: counters count confirmed events
+                            report.events.append(switch)
+                            report.confirmed.append(switch)
                             sink.write(report)
                             planted = True
                         continue

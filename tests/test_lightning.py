@@ -4,8 +4,6 @@ FlashWatchCallback: logged keys, resume, gradient accumulation, two DDP ranks.""
 from __future__ import annotations
 
 import csv
-import dataclasses
-import inspect
 import logging
 import math
 import os
@@ -83,20 +81,28 @@ def _comparable(report):
 # ------------------------------------------------------------------------- arguments
 
 
-def test_kwargs_mirror_watchconfig_and_unknown_ones_are_named():
-    params = inspect.signature(FlashWatchCallback).parameters
-    for f in dataclasses.fields(fw.WatchConfig):
-        assert f.name in params, f.name
-        assert params[f.name].default == f.default, f.name
-        assert params[f.name].kind is inspect.Parameter.KEYWORD_ONLY
+def test_config_and_fields_are_taken_like_the_hf_callback_and_unknown_ones_are_named():
     cb = FlashWatchCallback(every_n_steps=3, mitigation="auto")
     assert cb.config == fw.WatchConfig(every_n_steps=3, mitigation="auto")
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['every_n_step'\].*every_n_steps"):
+    base = fw.WatchConfig(window=8, mitigation="auto")
+    assert FlashWatchCallback(config=base).config is base
+    # a keyword replaces the config's value; the other fields stay the config's
+    assert FlashWatchCallback(config=base, window=16).config == fw.WatchConfig(
+        window=16, mitigation="auto")
+    assert FlashWatchCallback().config == fw.WatchConfig()
+    with pytest.raises(TypeError, match=r"FlashWatchCallback got unknown option\(s\) "
+                       r"\['every_n_step'\] \(did you mean 'every_n_steps'\?\).*config="):
         FlashWatchCallback(every_n_step=3)
-    with pytest.raises(ValueError, match="mitigation"):
+    with pytest.raises(TypeError, match=r"FlashWatchCallback: config must be a "
+                       r"flashwatch.WatchConfig, got \{'window': 8\}"):
+        FlashWatchCallback(config={"window": 8})
+    with pytest.raises(ValueError, match="FlashWatchCallback: mitigation must be one of"):
         FlashWatchCallback(mitigation="sometimes")
-    with pytest.raises(ValueError, match="top_k"):
+    with pytest.raises(ValueError, match=r"FlashWatchCallback: top_k must be an int ≥ 0, "
+                       r"got -1; 0 = no worst-head keys"):
         FlashWatchCallback(top_k=-1)
+    with pytest.raises(TypeError, match="log_per_head must be True or False, got 1"):
+        FlashWatchCallback(log_per_head=1)
 
 
 # ------------------------------------------------------------------ logging to CSV
@@ -396,3 +402,32 @@ def test_fsdp2_model_parallel_strategy_on_two_cpu_processes(tmp_path):
     for h in r0["reports"][-1]["heads"]:
         want = r0["exact"][h["layer"]][h["head"]]
         assert abs(h["wq_spectral_norm"] - want) <= 1e-3 * want, h
+
+
+def test_logged_counters_count_confirmed_events_never_decisions():
+    """flashwatch/mitigations_total and qk_clips_total count report.confirmed: a mode
+    decided then withdrawn counts 0, a confirmed one counts once (both callbacks share
+    this code, integrations/shared.py)."""
+    from types import SimpleNamespace
+
+    from flashwatch import Event, HeadRecord, StepReport
+    from flashwatch.integrations import shared
+
+    def ev(head, to_mode, applied=True, kind="mode"):
+        return Event(step=1, layer="l", head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
+                     reason="test", applied=applied, kind=kind)
+
+    heads = [HeadRecord(layer="l", head=h) for h in range(2)]
+    decided, withdrawn = ev(0, Mode.FP32_O), ev(0, Mode.FP32_O, applied=False)
+    ran, clip = ev(1, Mode.BETA), ev(1, Mode.STANDARD, kind="qk_clip")
+    reports = shared.Reports()
+    watcher = SimpleNamespace(monitor_errors_total=0)
+    totals = []
+    for events, confirmed in (([decided], []), ([withdrawn], []), ([ran, clip], []),
+                              ([], [ran, clip]), ([], [])):
+        reports.add(StepReport(step=len(totals), heads=heads, events=events,
+                               confirmed=confirmed))
+        m = shared.logged_metrics(reports.take(), watcher, reports, top_k=0,
+                                  log_per_head=False)
+        totals.append((m["flashwatch/mitigations_total"], m["flashwatch/qk_clips_total"]))
+    assert totals == [(0, 0), (0, 0), (0, 0), (1, 1), (1, 1)]

@@ -1,5 +1,7 @@
-"""flashwatch.integrations.prometheus: the exporter over HTTP, and a real Prometheus
-server (Debian's `prometheus` binary, installed by .ci/run) scraping a training job."""
+"""flashwatch.integrations.prometheus (sink), prometheus_render (the page) and
+prometheus_server (HTTP): the exporter over HTTP, counters that count what ran, and a
+real Prometheus server (Debian's `prometheus` binary, installed by .ci/run) scraping a
+training job."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
@@ -23,11 +27,13 @@ from prometheus_client.parser import text_string_to_metric_families
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
-from flashwatch.integrations.prometheus import HEAD_GAUGES, METRIC_NAMES, PrometheusSink, render
+from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink, render
+from flashwatch.integrations.prometheus_render import HEAD_GAUGES
+from flashwatch.integrations.prometheus_server import BACKLOG, MetricsServer
 from livejob import SMALL, TinyTrainer, free_port, prometheus_server
 
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
-_GAUGE_FIELDS = [f for f, _ in HEAD_GAUGES]
+_GAUGE_FIELDS = [m.name for m in HEAD_GAUGES if m.name != "head_mode"]
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
 
 
@@ -46,21 +52,28 @@ def _samples(families) -> dict:
     return out
 
 
+def _switch(layer, head, to_mode, applied=True, step=1, **kw):
+    return Event(step=step, layer=layer, head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
+                 reason="test", applied=applied, **kw)
+
+
 def test_scrape_has_every_documented_metric_with_labels():
-    sink = PrometheusSink(port=0)
-    t = TinyTrainer([sink])  # watcher.remove() closes the sink
+    sink, seen = PrometheusSink(port=0), []
+    recorder = SimpleNamespace(write=seen.append, close=lambda: None)  # the watcher's reports
+    t = TinyTrainer([sink, recorder])  # watcher.remove() closes the sink
     try:
         assert sink.url == f"http://127.0.0.1:{sink.port}/metrics"
         before = _scrape(sink.url)  # before any report: families, no samples
         assert all(not f.samples for f in before.values())
         t.step()
         t.watcher.set_head_modes("transformer.h.1.attn", [Mode.BETA] * 4)
-        report = t.step()  # carries the 4 hand-set switches of layer 1
-        # then a policy switch as the watcher reports it, in a report of its own
-        sink.write(StepReport(step=report.step, heads=report.heads,
-                              monitor_seconds=report.monitor_seconds, events=[Event(
-            step=report.step, layer="transformer.h.0.attn", head=2,
-            from_mode=Mode.STANDARD, to_mode=Mode.FP32_O, reason="test", applied=True)]))
+        report = t.step()  # runs layer 1 in BETA
+        # then a switch whose effect a measurement saw, in a report of its own
+        confirmed = _switch("transformer.h.0.attn", 2, Mode.FP32_O, step=report.step)
+        mine = StepReport(step=report.step, heads=report.heads,
+                          monitor_seconds=report.monitor_seconds, events=[confirmed],
+                          confirmed=[confirmed])
+        sink.write(mine)
         families = _scrape(sink.url)
     finally:
         t.watcher.remove()
@@ -78,9 +91,13 @@ def test_scrape_has_every_documented_metric_with_labels():
     assert mode[("transformer.h.0.attn", "3")] == int(Mode.STANDARD)
     mitig = {(s.labels["layer"], s.labels["head"], s.labels["mode"]): s.value
              for s in samples["flashwatch_mitigations_total"]}
+    # what the watcher confirmed (by its own reports) plus the hand-written switch
+    expected = Counter((e.layer, str(e.head), e.to_mode.name)
+                       for r in [*seen, mine] for e in r.confirmed
+                       if e.kind == "mode" and e.applied)
     assert mitig[("transformer.h.0.attn", "2", "FP32_O")] == 1
-    assert all(mitig[("transformer.h.1.attn", str(h), "BETA")] == 1 for h in range(4))
-    assert sum(mitig.values()) == 5 and len(mitig) == 2 * len(HEADS)  # zero-initialised
+    assert {k: v for k, v in mitig.items() if v} == dict(expected)
+    assert len(mitig) == 2 * len(HEADS)  # zero-initialised for BETA and FP32_O
     assert families["flashwatch_mitigations"].type == "counter"
     assert families["flashwatch_monitor_errors"].type == "counter"
     assert samples["flashwatch_monitor_step"][0].value == 1
@@ -161,7 +178,7 @@ def test_port_is_base_plus_local_rank_and_rank_zero_only(monkeypatch):
 def test_not_reachable_on_a_non_loopback_address_by_default():
     sink = PrometheusSink(port=0)
     try:
-        assert sink._httpd.socket.getsockname()[0] == "127.0.0.1"
+        assert sink.server.address == "127.0.0.1"
         ip = _non_loopback_ip()
         if ip is not None:  # this machine has another address: nothing answers there
             with pytest.raises(OSError):
@@ -212,16 +229,20 @@ def test_render_is_byte_for_byte_prometheus_clients_text_format():
     heads = [HeadRecord(layer=layer, head=h, **dict(zip(_GAUGE_FIELDS, values[h:] + values[:h],
                                                         strict=False)))
              for layer in ("model.layers.0.self_attn", odd) for h in range(4)]
-    switch = Event(step=9, layer=odd, head=1, from_mode=Mode.STANDARD, to_mode=Mode.FP32_O,
-                   reason="test", applied=True)
-    sink = PrometheusSink(start_server=False)
-    expected_empty = generate_latest(sink.registry)
-    assert render(None) == expected_empty  # before the first report: families only
-    sink.write(StepReport(step=9, heads=heads, events=[switch], monitor_seconds=0.5,
-                          monitor_errors_total=3))
-    page, gzipped = sink._page_for("")
-    assert not gzipped and page == generate_latest(sink.registry)
+    switch = _switch(odd, 1, Mode.FP32_O, step=9)
+    sink = PrometheusSink(port=0)
+    try:
+        expected_empty = generate_latest(sink.registry)
+        assert render(None) == expected_empty  # before the first report: families only
+        assert urllib.request.urlopen(sink.url, timeout=5).read() == expected_empty
+        sink.write(StepReport(step=9, heads=heads, events=[switch], confirmed=[switch],
+                              monitor_seconds=0.5, monitor_errors_total=3))
+        page = urllib.request.urlopen(sink.url, timeout=5).read()
+    finally:
+        sink.close()
+    assert page == generate_latest(sink.registry)
     assert "1.2345675e+06" in page.decode() and "+Inf" in page.decode()
+    assert 'flashwatch_mitigations_total{head="1",layer="a\\"b' in page.decode()
 
 
 def _idle_connections(port: int, n: int) -> list[socket.socket]:
@@ -259,14 +280,14 @@ def test_a_flood_of_connections_keeps_threads_bounded_then_scrapes_again():
         before = len(threading.enumerate())
         flood = _idle_connections(sink.port, 30)
         deadline = time.monotonic() + 30
-        while sink._httpd.refused < 27 and time.monotonic() < deadline:  # accept loop
+        while sink.server.refused < 27 and time.monotonic() < deadline:  # accept loop
             time.sleep(0.05)
-        assert sink._httpd.refused == 27  # closed at once, each costs no thread
+        assert sink.server.refused == 27  # closed at once, each costs no thread
         assert len(_exporter_threads()) == 3
         assert len(threading.enumerate()) <= before + 3
         for c in flood:  # the held connections end: their threads are free again
             c.close()
-        while sink._httpd._busy and time.monotonic() < deadline:
+        while sink.server.busy and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _samples(_scrape(sink.url))["flashwatch_monitor_step"][0].value == 1
         assert len(_exporter_threads()) == 3  # reused, not one per connection
@@ -350,6 +371,36 @@ def _complete(found) -> bool:
                for n in PER_HEAD)
 
 
+def _counters(sink) -> dict:
+    """{(sample name, labels...): value} of the counters, from the sink's registry."""
+    samples = _samples({f.name: f for f in sink.registry.collect()})
+    out = {}
+    for name in ("flashwatch_mitigations_total", "flashwatch_qk_clip_total"):
+        for s in samples.get(name, []):
+            out[(name, s.labels["layer"], s.labels["head"], s.labels.get("mode"))] = s.value
+    return out
+
+
+def test_a_decided_then_withdrawn_mode_counts_zero_and_a_confirmed_one_counts_once():
+    sink = PrometheusSink(start_server=False)
+    heads = [HeadRecord(layer="l", head=h) for h in range(2)]
+    decided = _switch("l", 0, Mode.FP32_O, step=1)
+    withdrawn = _switch("l", 0, Mode.FP32_O, applied=False, step=2)
+    withdrawn.reason += "; not applied: attn_mask"
+    sink.write(StepReport(step=1, heads=heads, events=[decided]))  # a decision only
+    sink.write(StepReport(step=2, heads=heads, events=[withdrawn]))  # taken back
+    assert sum(_counters(sink).values()) == 0
+    ran = _switch("l", 1, Mode.BETA, step=3)
+    sink.write(StepReport(step=3, heads=heads, events=[ran]))  # decided at step 3 ...
+    assert sum(_counters(sink).values()) == 0
+    sink.write(StepReport(step=4, heads=heads, confirmed=[ran]))  # ... seen run at step 4
+    sink.write(StepReport(step=5, heads=heads))  # later reports do not count it again
+    counts = _counters(sink)
+    assert counts[("flashwatch_mitigations_total", "l", "1", "BETA")] == 1
+    assert sum(counts.values()) == 1
+    assert counts[("flashwatch_mitigations_total", "l", "0", "FP32_O")] == 0  # zero-init
+
+
 def test_qk_clips_are_counted_apart_from_mode_switches():
     sink = PrometheusSink(start_server=False)
     t = TinyTrainer([sink])
@@ -359,13 +410,46 @@ def test_qk_clips_are_counted_apart_from_mode_switches():
                     from_mode=Mode.STANDARD, to_mode=Mode.STANDARD, reason="qk_clip: test",
                     kind="qk_clip")
         for applied in (True, True, False):  # advice (applied=False) is not counted
-            sink.write(StepReport(step=report.step, heads=report.heads,
-                                  events=[Event(applied=applied, **clip)]))
-        samples = _samples({f.name: f for f in sink.registry.collect()})
+            e = Event(applied=applied, **clip)
+            sink.write(StepReport(step=report.step, heads=report.heads, confirmed=[e]))
+        sink.write(StepReport(step=report.step, heads=report.heads,  # decided, not seen
+                              events=[Event(applied=True, **clip)]))
     finally:
         t.watcher.remove()
-    clips = {(s.labels["layer"], s.labels["head"]): s.value
-             for s in samples["flashwatch_qk_clip_total"]}
+    clips = {k[1:3]: v for k, v in _counters(sink).items() if k[0] == "flashwatch_qk_clip_total"}
     assert clips[("transformer.h.0.attn", "1")] == 2
     assert sum(clips.values()) == 2 and set(clips) == HEADS  # zero-initialised
-    assert sum(s.value for s in samples["flashwatch_mitigations_total"]) == 0
+    assert sum(v for k, v in _counters(sink).items()
+               if k[0] == "flashwatch_mitigations_total") == 0
+
+
+def test_a_burst_of_50_connections_is_queued_by_the_listener_and_all_answered():
+    """The listener holds BACKLOG connections while its accept loop is busy: with the
+    stdlib's 5, the 7th SYN of a burst was dropped and that client came back only after
+    TCP's 1 s retransmit. Here the server accepts nothing until all 50 clients have
+    connected, so each connect completes only if the kernel queued it (a dropped SYN
+    would time out: 0.9 s is below the first retransmit and far above a loopback
+    handshake). Then every client is answered."""
+    n = 50
+    assert BACKLOG >= n
+    body = b"flashwatch_monitor_step 1.0\n"
+    server = MetricsServer("127.0.0.1", 0, lambda enc: (body, False), max_threads=n,
+                           timeout=5.0)
+    clients = []
+    try:
+        for _ in range(n):  # not started: nothing is accepted yet
+            clients.append(socket.create_connection(("127.0.0.1", server.port), timeout=0.9))
+        for c in clients:
+            c.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        server.start()
+        answers = []
+        for c in clients:
+            c.settimeout(10)
+            answers.append(b"".join(iter(lambda c=c: c.recv(65536), b"")))
+    finally:
+        for c in clients:
+            c.close()
+        server.close()
+    assert len(answers) == n
+    assert all(a.startswith(b"HTTP/1.0 200") and a.endswith(body) for a in answers)
+    assert server.refused == 0

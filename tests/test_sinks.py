@@ -137,7 +137,7 @@ def test_jsonl_full_every_is_a_knob_and_checked(tmp_path):
     assert all(r["full"] for r in read_jsonl(tmp_path / "b.jsonl"))
     with pytest.raises(ValueError, match="full_every must be an int ≥ 1, got 0"):
         JsonlSink(tmp_path / "c.jsonl", full_every=0)
-    with pytest.raises(ValueError, match="rank must be"):
+    with pytest.raises(ValueError, match="rank must be an int ≥ 0, got -1; or None"):
         JsonlSink(tmp_path / "c.jsonl", rank=-1)
 
 
@@ -170,3 +170,24 @@ def test_jsonl_under_torch_distributed_only_rank_zero_writes(tmp_path, monkeypat
     mp.spawn(_gloo_sink_worker, args=(2, str(tmp_path / "init"), str(path)), nprocs=2,
              join=True)
     assert [r["step"] for r in read_jsonl(path)] == [0]
+
+
+def test_jsonl_keeps_decisions_and_confirmed_events_apart(tmp_path):
+    """A decision is in "events"; only a switch seen run is in "confirmed" (what counters
+    count): a decided-then-withdrawn mode never appears there."""
+    decided = Event(step=1, layer="h.0.attn", head=0, from_mode=Mode.STANDARD,
+                    to_mode=Mode.FP32_O, reason="test", applied=True)
+    withdrawn = Event(step=2, layer="h.0.attn", head=0, from_mode=Mode.STANDARD,
+                      to_mode=Mode.FP32_O, reason="test; not applied: attn_mask", applied=False)
+    ran = Event(step=3, layer="h.0.attn", head=1, from_mode=Mode.STANDARD,
+                to_mode=Mode.BETA, reason="test", applied=True)
+    sink = JsonlSink(tmp_path / "c.jsonl")
+    heads = _report().heads
+    for step, events, confirmed in ((1, [decided], []), (2, [withdrawn], []),
+                                    (3, [ran], []), (4, [], [ran])):
+        sink.write(StepReport(step=step, heads=heads, events=events, confirmed=confirmed))
+    sink.close()
+    rows = read_jsonl(tmp_path / "c.jsonl")
+    assert [len(r["confirmed"]) for r in rows] == [0, 0, 0, 1]
+    assert [Event.from_dict(d) for r in rows for d in r["confirmed"]] == [ran]
+    assert [Event.from_dict(d) for r in rows for d in r["events"]] == [decided, withdrawn, ran]

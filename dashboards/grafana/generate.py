@@ -13,15 +13,23 @@ the top is built from the same sentences, so it cannot fall out of date. The Gra
 alert rules are derived from dashboards/prometheus/flashwatch-rules.yml (same expr,
 `for`, labels and annotations), so the two alerting paths cannot disagree.
 
-Edit this file, run it, commit both outputs. Needs PyYAML only.
+Metric names, HELP texts and the healthy limits drawn as threshold lines come from the
+metrics table (flashwatch/metrics.py): a query naming a metric the table does not
+export fails here, and an exported metric no panel shows gets a panel of its own in the
+last row, described by its HELP text, so adding a metric to the table adds it here.
+
+Edit this file, run it, commit both outputs. Needs PyYAML and flashwatch (installed).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
+
+from flashwatch import metrics
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_PATH = HERE / "flashwatch.json"
@@ -43,6 +51,14 @@ MODE_MAPPING = [{"type": "value", "options": {
 
 
 # ----------------------------------------------------------------------- panel helpers
+
+
+def _limit(name: str) -> float:
+    """The metrics table's healthy limit of `name` (the alert threshold drawn as a line)."""
+    limit = metrics.BY_NAME[name].limit
+    if limit is None:
+        raise KeyError(f"{name} has no healthy limit in flashwatch/metrics.py")
+    return limit
 
 
 def _target(expr: str, legend: str = "", ref: str = "A", **extra) -> dict:
@@ -87,7 +103,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
              "columnField": "head", "rowField": "layer", "valueField": "Value"}}],
          "fieldConfig": {"defaults": {
              "unit": "percentunit", "decimals": 1,
-             "thresholds": _thresholds((0.02, "yellow"), (0.05, "red")),
+             "thresholds": _thresholds((_limit("tied_rowmax_ratio"), "yellow"), (0.05, "red")),
              "custom": {"align": "center", "cellOptions": {"type": "color-background",
                                                            "mode": "basic"}}},
              "overrides": []},
@@ -114,7 +130,8 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "threshold.",
                     [_target(f'layer:flashwatch_tied_rowmax_ratio:max{{{JOB}, layer=~"$layer"}}',
                              "{{layer}}")],
-                    unit="percentunit", thresholds=_thresholds((0.02, "red"))),
+                    unit="percentunit",
+                    thresholds=_thresholds((_limit("tied_rowmax_ratio"), "red"))),
         _timeseries("Max attention logit per layer",
                     "Largest scaled attention score in each layer (the QK-clip signal): "
                     "larger logits mean coarser BF16 spacing and more ties.",
@@ -128,7 +145,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "when it keeps one sign; the line is the alert threshold 4.",
                     [_target(f"topk({TOPK}, flashwatch_delta_drift_z{{{SEL}}})",
                              "{{layer}} h{{head}}")],
-                    thresholds=_thresholds((4, "red"))),
+                    thresholds=_thresholds((_limit("delta_drift_z"), "red"))),
         _timeseries(f"δ-error coherence of the worst {TOPK} drift heads",
                     "Coherence (0..1) of the W^Q gradient-error sketches of the same heads: "
                     "≥ 0.15 together with z ≥ 4 means the error piles up along one "
@@ -136,7 +153,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     [_target(f"flashwatch_delta_coherence{{{SEL}}} and on (job, instance, layer, "
                              f"head) topk({TOPK}, flashwatch_delta_drift_z{{{SEL}}})",
                              "{{layer}} h{{head}}")],
-                    thresholds=_thresholds((0.15, "red"))),
+                    thresholds=_thresholds((_limit("delta_coherence"), "red"))),
         _timeseries(f"Cumulative R projection, worst {TOPK} heads",
                     "Running sum of the W^Q gradient error projected on its dominant "
                     "direction: a steady ramp is error accumulating in W^Q, a random walk "
@@ -157,7 +174,8 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "median); tens of percent in the BF16 arithmetic at logits in the thousands.",
                     [_target(f"topk({TOPK}, flashwatch_delta_error_share{{{SEL}}})",
                              "{{layer}} h{{head}}")],
-                    unit="percentunit", thresholds=_thresholds((0.05, "red"))),
+                    unit="percentunit",
+                    thresholds=_thresholds((_limit("delta_error_share"), "red"))),
         _timeseries("BETA rows at the underflow guard",
                     "BETA rows per interval whose shift hit the underflow guard (logits in "
                     "the thousands): the fix then uses a row-dependent shift.",
@@ -233,17 +251,53 @@ def _rows() -> list[tuple[str, list[dict]]]:
     monitor[2]["fieldConfig"]["overrides"] = [{
         "matcher": {"id": "byFrameRefID", "options": "B"},
         "properties": [{"id": "custom.axisPlacement", "value": "right"}]}]
-    return [("Ties and logits (step 1: where rounding becomes biased)", ties),
+    rows = [("Ties and logits (step 1: where rounding becomes biased)", ties),
             ("δ-error drift (step 2: the error keeps its sign)", drift),
             ("W^Q spectral norm (step 3: the error piles up)", wq),
             ("Mitigation", mitigation),
             ("Monitor health", monitor)]
+    rules = [r["expr"] for g in yaml.safe_load(RULES_PATH.read_text())["groups"]
+             for r in g["rules"]]  # a metric shown through a recording rule is shown
+    shown = _checked_names([t["expr"] for _, panels in rows for p in panels
+                            for t in p["targets"]] + rules)
+    others = [_table_panel(m) for m in metrics.EXPORTED if m.prometheus_name not in shown]
+    return rows + ([("Other metrics (from the metrics table)", others)] if others else [])
+
+
+# A metric name in a query; recording rules (layer:flashwatch_...:max) are not.
+_NAME = re.compile(r"(?<![\w:])flashwatch_\w+(?![\w:])")
+
+
+def _checked_names(exprs: list[str]) -> set[str]:
+    """The flashwatch metric names the queries (and rules) use; ValueError for one the
+    metrics table does not export (a typo, or a renamed metric)."""
+    used = {n for e in exprs for n in _NAME.findall(e)}
+    unknown = used - set(metrics.METRIC_NAMES)
+    if unknown:
+        raise ValueError(f"dashboard queries use {sorted(unknown)}, not exported by "
+                         f"flashwatch/metrics.py; fix the query or add the row")
+    return used
+
+
+def _table_panel(m: metrics.Metric) -> dict:
+    """A plain panel for a metric of the table that no hand-made panel shows."""
+    name = m.prometheus_name
+    if m.scope == "step":
+        expr, legend = f"{name}{{{JOB}}}", "{{instance}}"
+    elif m.prometheus == "counter":
+        expr = (f"sum by ({', '.join(m.labels[::-1])}) (increase({name}{{{SEL}}}"
+                f"[$__rate_interval]))")
+        legend = "{{layer}} h{{head}}"
+    else:
+        expr, legend = f"topk({TOPK}, {name}{{{SEL}}})", "{{layer}} h{{head}}"
+    unit = {"ratio": "percentunit", "seconds": "s"}.get(m.unit, "none")
+    return _timeseries(name, m.help, [_target(expr, legend)], unit=unit)
 
 
 # Panel widths/heights per row: two per line, except the timeline (full width) and the
 # monitor row (three per line).
 def _layout(row_title: str, i: int) -> tuple[int, int]:
-    if row_title == "Mitigation" and i == 0:
+    if row_title == "Mitigation" and i == 0:  # other rows, table rows included: 12 × 8
         return 24, 10
     if row_title == "Monitor health":
         return 8, 7
