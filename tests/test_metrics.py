@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -156,3 +157,9 @@ def test_a_new_table_row_gets_a_dashboard_panel_and_a_wrong_name_fails(monkeypat
         n for n in metrics.METRIC_NAMES if n != "flashwatch_delta_drift_z"))
     with pytest.raises(ValueError, match=r"\['flashwatch_delta_drift_z'\], not exported"):
         gen.build_dashboard()
+
+
+def test_the_docs_metric_table_lists_exactly_the_exported_metrics():
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    listed = re.findall(r"^\| `(flashwatch_\w+)` \|", text, re.M)
+    assert sorted(listed) == sorted(METRIC_NAMES)
