@@ -218,6 +218,18 @@ class QKClip:
                                 to_mode=mode, reason=why, applied=False, kind="qk_clip"))
         return events
 
+    def stop_layer(self, step: int, layer: str, reason: str) -> list[Event]:
+        """Never clip `layer` again (e.g. its W^Q slice failed layouts.QCheck, so its K
+        slice is not to be trusted either): one event applied=False per head."""
+        for site, off in zip(self.sites, self.offsets, strict=True):
+            if site.name == layer and not bool(self.stopped[off:off + site.num_heads].all()):
+                self.stopped[off:off + site.num_heads] = True
+                self.pending[off:off + site.num_heads] = math.nan
+                return [Event(step=step, layer=layer, head=h, from_mode=Mode.STANDARD,
+                              to_mode=Mode.STANDARD, reason=f"[qk_clip] stopped: {reason}",
+                              applied=False, kind="qk_clip") for h in range(site.num_heads)]
+        return []
+
     def _where(self, i: int) -> tuple[AttentionSite, int]:
         for site, off in zip(self.sites, self.offsets, strict=True):
             if off <= i < off + site.num_heads:

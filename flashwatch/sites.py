@@ -425,13 +425,15 @@ def _rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.T
 
 def _rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tensor]:
     """`_rows_of` for output channels `index` ([n] int64): a contiguous run keeps the
-    view (and `rows_of`); an interleaved one is gathered (a copy) on every call."""
+    view (and `rows_of`); an interleaved one is gathered (a copy) on every call, from
+    the whole weight when it is sharded (a DTensor: a collective, in the same order on
+    every rank as every other read of W^Q)."""
     run = layouts.as_slice(index)
     if run is not None:
         return _rows_of(q_module, *run)
 
     def rows() -> torch.Tensor:
-        w = _weight_of(q_module)
+        w = _gathered(_weight_of(q_module))
         return w.index_select(0, index.to(w.device))
 
     rows.rows_index = (q_module, index)

@@ -535,3 +535,50 @@ def test_confirm_rule_pending_and_state():
     old = qkclip.QKClip(clip.config, sites)
     old.load_state_dict({"clips": sd["clips"]})  # a state from before confirmation
     assert old.total == 1 and torch.isnan(old.pending).all()
+    events = old.stop_layer(3, sites[1].name, "its W^Q slice failed the Q check")
+    assert [(e.head, e.applied) for e in events] == [(h, False) for h in range(4)]
+    assert old.stopped.tolist() == [False] * 4 + [True] * 4
+    assert old.stop_layer(4, sites[1].name, "again") == []  # once
+    events = old.apply(5, torch.full((8,), 100.0), modes)  # every head far over τ
+    assert {(e.layer, e.applied) for e in events} == {(sites[0].name, True)}  # 1 not clipped
+
+
+class _QKV(TorchFunctionMode):
+    """q, k, v of the first SDPA call (layer 0), as the model passes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and self.qkv is None:
+            self.qkv = [t.detach().double() for t in args[:3]]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "falcon_new", "phi3"])
+def test_fused_layouts_scale_each_heads_own_q_and_k_rows(arch):
+    """Per-head interleaved (GPT-NeoX), per-group (Falcon's new architecture) and
+    [Q | K | V] with grouped K (Phi-3): q of head h × η_h^α, k × its K head's η^(1−α),
+    v untouched, read at the SDPA call (rotary is linear, so it keeps the factors)."""
+    model, kind = hf_tiny(arch)
+    for p in model.parameters():  # make biases count where the layer has them
+        if p.dim() == 1:
+            torch.nn.init.normal_(p, std=0.5)
+    site = find_sites(model)[0]
+    inputs = hf_inputs(kind, B=2, N=6)
+    runs = []
+    for eta in (None, torch.tensor([0.25, 1.0, 1.0, 0.64], dtype=torch.float64)):
+        if eta is not None:
+            qkclip.scale_site(site, eta, alpha=0.5)
+        with torch.no_grad(), _QKV() as cap:
+            model(**inputs)
+        runs.append(cap.qkv)
+    (q0, k0, v0), (q1, k1, v1) = runs
+    group = site.num_heads // site.num_kv_heads
+    k_eta = qkclip.kv_factors(eta, site.num_kv_heads)
+    if k0.shape[1] == site.num_heads:  # K broadcast or repeated to the query heads
+        k_eta = k_eta.repeat_interleave(group)
+    torch.testing.assert_close(q1, q0 * eta.sqrt().view(1, -1, 1, 1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k1, k0 * k_eta.sqrt().view(1, -1, 1, 1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v1, v0, rtol=0, atol=0)
