@@ -57,6 +57,7 @@ def refuse_no_sdpa(sites) -> None:
         f"flashwatch cannot measure {len(bad)} attention layer(s): it sees "
         "F.scaled_dot_product_attention calls, and these make none:\n" + "\n".join(lines)
         + '\nLoad the model with attn_implementation="sdpa" (e.g. '
-        'AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa")), or pass '
-        "sites= without these layers."
+        'AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa"), or '
+        'model.set_attn_implementation("sdpa") on a loaded model), or pass sites= '
+        "without these layers."
     )

@@ -24,8 +24,15 @@ def test_an_eager_llama_is_refused_with_the_fix():
     for words in ("model.layers.0.self_attn", "model.layers.1.self_attn",
                   'attn_implementation="eager"', 'attn_implementation="sdpa"'):
         assert words in msg, (words, msg)
-    model.config._attn_implementation = "sdpa"  # the fix
-    assert len(fw.watch(model).sites) == 2
+    assert 'model.set_attn_implementation("sdpa")' in msg
+    model.set_attn_implementation("sdpa")  # the fix the message names
+    w = fw.watch(model, every_n_steps=1)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    report = w.step()
+    w.remove()
+    assert len(report.heads) == 8 and all(h.attention_max_logit == h.attention_max_logit
+                                          for h in report.heads)  # measured, not NaN
 
 
 def test_gemma2_softcapping_is_refused_as_unmeasurable():
