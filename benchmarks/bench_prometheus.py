@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/bench_prometheus.py [--seconds 10] [--rate 50] [--threads 1]
                                              [--every 10] [--fp32]
+       python benchmarks/bench_prometheus.py --burst 50 [--rounds 10]
 
 A GPT with GPT-2 Small's attention layout (12 layers × 12 heads, so a scrape carries
 144 heads × 10 series, 110 kB of text) but narrow (n_embd 96, 32 tokens, batch 4, so a
@@ -18,11 +19,20 @@ Reported: scrapes done and failed (target 0 failures), the step-time ratio on/of
 scrape (process CPU time minus the training thread's, in the "on" arm: the server
 thread's work, robust to other load on the machine). On a shared machine the ratio
 carries that machine's noise; alternating short blocks spreads it over both arms.
+
+--burst N: the listen backlog under a burst. While the same GPT trains (the accept loop
+competes for the GIL), a client process opens N connections at once (one thread each,
+released together) and scrapes on each; the exporter has max_threads=N so no
+connection is refused for want of a thread. Two arms alternate for --rounds rounds: the
+stdlib backlog (5) and the exporter's (128). Reported: connections whose connect took
+≥ 0.9 s (a dropped SYN comes back after TCP's 1 s retransmit), the slowest connect and
+the slowest scrape, per arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import pathlib
 import statistics
@@ -56,6 +66,92 @@ def scraper(url: str, rate: float, active, stop, results) -> None:
         next_t += period
         time.sleep(max(0.0, next_t - time.monotonic()))
     results.put((ok, errors))
+
+
+def burst_client(ports, results, n: int) -> None:
+    """For each port received: n threads connect at once and GET /metrics; puts
+    [(connect seconds, scrape seconds, ok), ...]. None ends it."""
+    import socket
+    import threading
+
+    while (port := ports.get()) is not None:
+        gate, out = threading.Barrier(n), []
+
+        def one(gate=gate, out=out):
+            gate.wait()
+            t0 = time.perf_counter()
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                    t1 = time.perf_counter()
+                    c.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                    body = b"".join(iter(lambda c=c: c.recv(1 << 16), b""))
+                    ok = body.startswith(b"HTTP/1.0 200")
+                out.append((t1 - t0, time.perf_counter() - t0, ok))
+            except OSError:
+                out.append((math.inf, math.inf, False))
+
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results.put(out)
+
+
+def burst_bench(n: int, rounds: int, threads: int) -> None:
+    from flashwatch.integrations import prometheus_server
+
+    torch.set_num_threads(threads)
+    cfg = GPTConfig(block_size=32, vocab_size=256, n_layer=12, n_head=12, n_embd=96)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    watcher = fw.watch(model, every_n_steps=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+
+    def train_step():
+        idx = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return watcher.step()
+
+    report = train_step()
+    ctx = mp.get_context("spawn")
+    ports, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=burst_client, args=(ports, results, n), daemon=True)
+    proc.start()
+    seen = {5: [], prometheus_server.BACKLOG: []}
+    try:
+        for _ in range(rounds):
+            for backlog in seen:
+                prometheus_server._Server.request_queue_size = backlog
+                sink = PrometheusSink(port=0, max_threads=n)
+                sink.write(report)
+                ports.put(sink.port)
+                while results.empty():  # the training thread holds the GIL as it would
+                    train_step()
+                seen[backlog] += results.get()
+                sink.close()
+    finally:
+        prometheus_server._Server.request_queue_size = prometheus_server.BACKLOG
+        ports.put(None)
+        proc.join(timeout=30)
+        watcher.remove()
+    print(f"bench_prometheus --burst {n}: {rounds} rounds per arm, training a "
+          f"{cfg.n_layer}×{cfg.n_head}-head GPT (bf16 autocast, threads={threads}) "
+          f"meanwhile\n")
+    print("| backlog | connections | connect ≥ 0.9 s | failed | slowest connect s | "
+          "slowest scrape s | median scrape ms |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for backlog, rows in seen.items():
+        slow = sum(c >= 0.9 for c, _, _ in rows)
+        failed = sum(not ok for _, _, ok in rows)
+        print(f"| {backlog} | {len(rows)} | {slow} | {failed} | "
+              f"{max(c for c, _, _ in rows):.3f} | {max(s for _, s, _ in rows):.3f} | "
+              f"{1e3 * statistics.median(s for _, s, _ in rows):.1f} |")
 
 
 def static_server(port_queue, size: int) -> None:
@@ -92,7 +188,13 @@ def main() -> None:
     ap.add_argument("--client-control", action="store_true",
                     help="the 'on' arm scrapes a page of the same size served by another "
                          "process, not the exporter: the cost of the scraping client alone")
+    ap.add_argument("--burst", type=int, default=0,
+                    help="measure N simultaneous connections against backlog 5 and 128")
+    ap.add_argument("--rounds", type=int, default=10, help="--burst rounds per arm")
     args = ap.parse_args()
+    if args.burst:
+        burst_bench(args.burst, args.rounds, args.threads)
+        return
     torch.set_num_threads(args.threads)
 
     cfg = GPTConfig(block_size=32, vocab_size=256, n_layer=12, n_head=12, n_embd=96)
