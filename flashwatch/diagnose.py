@@ -72,7 +72,7 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
                              "needs X and dW^Q: give the site a q_module (find_sites docs)")
     loss_fn = default_loss if loss_fn is None else loss_fn
     device = next(model.parameters()).device
-    sums = [Sums(s) for s in found]
+    sums = [Sums(s, i) for i, s in enumerate(found)]
     start, n = time.perf_counter(), 0
     total = len(batches) if hasattr(batches, "__len__") else None
     with _prepared(model, found):
@@ -119,9 +119,9 @@ def one_batch(model, sites, sums, batch, loss_fn, dtype, device, opts) -> None:
 class Sums:
     """One layer's per-head sums over the batches."""
 
-    def __init__(self, site: AttentionSite):
+    def __init__(self, site: AttentionSite, index: int):
         H = site.num_heads
-        self.site = site
+        self.site, self.index = site, index
         f64 = dict(dtype=torch.float64)
         self.rows, self.tied = torch.zeros(H, **f64), torch.zeros(H, **f64)
         self.max_logit = torch.full((H,), -math.inf, **f64)
@@ -154,7 +154,8 @@ class Sums:
         out = []
         for h in range(site.num_heads):
             out.append(dict(
-                layer=site.name, head=h, num_heads=site.num_heads, rows=int(self.rows[h]),
+                layer=site.name, layer_index=self.index, head=h, num_heads=site.num_heads,
+                rows=int(self.rows[h]),
                 tied_ratio=_f(self.tied[h] / max(1.0, float(self.rows[h]))),
                 max_logit=_f(self.max_logit[h]),
                 delta_share=_f(e[:, h].mean() / g[:, h].mean()) if g[:, h].mean() > 0

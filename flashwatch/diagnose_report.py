@@ -96,7 +96,8 @@ def growth_table(growth: dict, flagged: list[dict]) -> list[str]:
 
 
 def _grid(heads: list[dict], key: str):
-    layers = list(dict.fromkeys(h["layer"] for h in heads))
+    layers = [h["layer"] for h in sorted(heads, key=lambda h: h["layer_index"])]
+    layers = list(dict.fromkeys(layers))  # model order
     n = max(h["head"] for h in heads) + 1
     grid = [[math.nan] * n for _ in layers]
     for h in heads:

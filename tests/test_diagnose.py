@@ -105,9 +105,7 @@ def oracle(model, batches, loss_fn):
 
 def by_position(result):
     """Head records in model order (layer by layer, head by head)."""
-    layers = list(dict.fromkeys(h["layer"] for h in sorted(result["heads"],
-                                                           key=lambda h: h["layer"])))
-    return sorted(result["heads"], key=lambda h: (layers.index(h["layer"]), h["head"]))
+    return sorted(result["heads"], key=lambda h: (h["layer_index"], h["head"]))
 
 
 def tiny_gpt(seed=0, **kw):
@@ -166,8 +164,8 @@ def test_ties_and_max_logit_count_every_row():
     for b in batches:
         with torch.no_grad():
             x = attn.ln_1(model.transformer.wte(b[:, :-1])).double()
-        q, k, _ = (x @ attn.attn.c_attn.weight.double().T + attn.attn.c_attn.bias.double()
-                   ).split(32, -1)
+            w, bias = attn.attn.c_attn.weight.double(), attn.attn.c_attn.bias.double()
+        q, k, _ = (x @ w.T + bias).split(32, -1)
         q, k = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in (q, k))
         s = (q @ k.mT / math.sqrt(8)).masked_fill(
             ~torch.ones(24, 24, dtype=torch.bool).tril(), -math.inf)
@@ -370,3 +368,14 @@ def test_report_without_matplotlib_keeps_the_numbers(tmp_path, monkeypatch):
     assert "pip install 'flashwatch[report]'" in (tmp_path / "report.md").read_text()
     assert len(json.loads((tmp_path / "diagnose.json").read_text())["checkpoints"][0]
                ["heads"]) == 8
+
+
+def test_heatmap_rows_are_layers_in_model_order():
+    from flashwatch.diagnose_report import _grid
+
+    heads = [dict(layer="b", layer_index=1, head=0, tied_ratio=0.5),  # ranked first
+             dict(layer="a", layer_index=0, head=1, tied_ratio=0.25),
+             dict(layer="a", layer_index=0, head=0, tied_ratio=0.0),
+             dict(layer="b", layer_index=1, head=1, tied_ratio=1.0)]
+    layers, grid = _grid(heads, "tied_ratio")
+    assert layers == ["a", "b"] and grid == [[0.0, 0.25], [0.5, 1.0]]
