@@ -163,7 +163,9 @@ class QCheck:
             return False
         n = min(N, QCHECK_ROWS)
         with _no_autocast(x.device):
-            out = site.q_module(x[:1, :n])
+            # .forward, not __call__: no hooks, so the watcher's own X hook keeps the
+            # layer's X (a sharded q_module needs its gathered weights: hooks and all)
+            out = _call(site.q_module)(x[:1, :n])
         if not isinstance(out, torch.Tensor):
             return False
         want = out.float().index_select(-1, site.q_index.to(out.device)).view(n, H, D)
@@ -195,6 +197,13 @@ class QCheck:
                 f"'per_head_q_gate') or q_channels= the Q output channels, head-major")
         self.done, self.pre = True, None
         return True
+
+
+def _call(module: nn.Module):
+    from flashwatch.sites import _plain_call
+
+    plain = _plain_call(module)
+    return module.forward if plain is module else plain
 
 
 def _no_autocast(device: torch.device):

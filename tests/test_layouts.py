@@ -139,9 +139,12 @@ def test_qcheck_waits_for_a_call_it_can_compare(monkeypatch):
     site = find_sites(model)[0]
     c = capture(model, [site], hf_inputs(kind, B=2, N=6), monkeypatch)[site.name]
     check = QCheck(site)
+    seen = []
+    site.q_module.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
     assert check(None, c["q"]) is False  # no X
     assert check(c["x"][:, :1], c["q"]) is False  # a decode call: N_q differs from X's
     assert check(c["x"], c["q"]) is True
+    assert seen == []  # q_module's hooks (the watcher's X hook) do not see the check
 
 
 def test_explicit_layout_arguments_are_validated():
