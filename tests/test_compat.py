@@ -74,6 +74,23 @@ TRUE_WQ = {
 }
 
 
+# Notes on what each tiny model exercises (the facts behind its row).
+NOTES = {
+    "llama": "GQA 4:2, rotary", "mistral": "sliding window 8 < 12 tokens: a bool mask",
+    "qwen2": "q/k/v biases", "qwen3": "q_norm/k_norm per head_dim", "olmo2":
+    "q_norm/k_norm over all heads", "qwen3_next": "full-attention layers only; gated "
+    "q_proj; q_norm/k_norm", "gemma2": "attn softcapping; transformers has no SDPA path",
+    "gemma3": "sliding window; q_norm/k_norm", "phi3": "qkv_proj [Q | K | V], GQA",
+    "gpt_neox": "query_key_value per head [q|k|v], partial rotary",
+    "falcon": "query_key_value per head [q|k|v]; float mask",
+    "falcon_new": "new_decoder_architecture: per group [q..q|k|v]",
+    "bloom": "ALiBi, baddbmm + softmax", "gpt2": "Conv1D c_attn",
+    "opt": "q_proj; learned positions", "bert": "query/key/value; encoder",
+    "vit": "encoder over 16 patches + CLS", "t5": "q/k/v; relative position bias as "
+    "a float mask; encoder, decoder, cross", "bart": "encoder, decoder, cross-attention",
+}
+
+
 def _true_wq(arch, attn):
     return TRUE_WQ.get(arch, lambda a: a.q_proj.weight.view(4, 8, -1))(attn)
 
@@ -280,15 +297,16 @@ def table() -> str:
         "Not in the installed transformers, so not tested: "
         f"{', '.join(MISSING) or 'none'}.",
         "",
-        "| architecture | recipe | discovery (kind, layout) | measured | mitigable | QK-clip |",
-        "|---|---|---|---|---|---|",
+        "| architecture | recipe | discovery (kind, layout) | measured | mitigable | QK-clip "
+        "| notes |",
+        "|---|---|---|---|---|---|---|",
     ]
     for arch in ARCHS:
         for recipe in RECIPES:
             r = outcome(arch, recipe)
             lines.append(f"| {arch} ({HF_ARCHS[arch][0].removesuffix('Config')}) | {recipe} "
                          f"| {r['layout']} | {r['measured']} | {r['mitigable']} "
-                         f"| {r['qk_clip']} |")
+                         f"| {r['qk_clip']} | {NOTES[arch]} |")
     return "\n".join(lines) + "\n"
 
 
