@@ -79,9 +79,9 @@ def quick_jobs(dtypes):
             fwd, bwd = tuning.FWD_FIXED[d], tuning.BWD_FIXED[d]
             for causal in (False, True):
                 for stats in (False, True):
-                    c = dict(D=d, BLOCK_M=tuning.FWD_BLOCK_M, BLOCK_N=fwd[0], CAUSAL=causal,
+                    c = dict(D=d, BLOCK_M=fwd[0], BLOCK_N=fwd[1], CAUSAL=causal,
                              STATS=stats, INTERPRET=False)
-                    jobs.append((ta._fwd_kernel, dt, c, *fwd[1:]))
+                    jobs.append((ta._fwd_kernel, dt, c, *fwd[2:]))
                 c = dict(D=d, BLOCK_M=bwd[0], BLOCK_N=bwd[1], CAUSAL=causal, INTERPRET=False)
                 jobs.append((ta._bwd_kernel, dt, c, *bwd[2:]))
             for fn in (ta._bwd_prep, ta._bwd_dq_out):
@@ -89,15 +89,15 @@ def quick_jobs(dtypes):
     return jobs
 
 
-def spill_jobs(dtypes):
-    """Every candidate config of the forward (STATS on) and the backward, causal and not."""
+def spill_jobs(dtypes, causals):
+    """Every candidate config of the forward (STATS on) and the backward."""
     jobs = []
     for dt in dtypes:
         for d in (64, 128):
-            for causal in (False, True):
-                for bn, w, s in tuning.FWD_CANDIDATES:
-                    c = dict(D=d, BLOCK_M=tuning.FWD_BLOCK_M, BLOCK_N=bn, CAUSAL=causal,
-                             STATS=True, INTERPRET=False)
+            for causal in map(bool, causals):
+                for bm, bn, w, s in tuning.FWD_CANDIDATES:
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=True,
+                             INTERPRET=False)
                     jobs.append((ta._fwd_kernel, dt, c, w, s))
                 for bm, bn, w, s in tuning.BWD_CANDIDATES:
                     c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False)
@@ -106,12 +106,10 @@ def spill_jobs(dtypes):
 
 
 def in_space(fn, consts, warps, stages) -> bool:
-    d = consts["D"]
-    if fn is ta._fwd_kernel:
-        return (consts["BLOCK_N"], warps, stages) in tuning.FWD_SPACE[d]
-    if fn is ta._bwd_kernel:
-        return (consts["BLOCK_M"], consts["BLOCK_N"], warps, stages) in tuning.BWD_SPACE[d]
-    return True
+    if fn not in (ta._fwd_kernel, ta._bwd_kernel):
+        return True
+    space = tuning.FWD_SPACE if fn is ta._fwd_kernel else tuning.BWD_SPACE
+    return (consts["BLOCK_M"], consts["BLOCK_N"], warps, stages) in space[consts["D"]]
 
 
 def main() -> int:
@@ -120,8 +118,12 @@ def main() -> int:
     ap.add_argument("--spills", action="store_true", help="every candidate config, with "
                     "registers and spills; fail if a config in the tuned space spills")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1],
+                    help="--spills: 1 alone measures the causal variant (a superset of the "
+                    "non-causal code: one more compare in the masked loops)")
     args = ap.parse_args()
-    jobs = spill_jobs(args.dtypes) if args.spills else quick_jobs(args.dtypes)
+    jobs = (spill_jobs(args.dtypes, args.causal) if args.spills
+            else quick_jobs(args.dtypes))
     failures = spilling = 0
     print("kernel       dtype D   causal stats BLOCK_M BLOCK_N warps stages regs "
           "spill_st spill_ld smem  in_space")

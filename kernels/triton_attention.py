@@ -436,17 +436,22 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
     lse = torch.empty(B, H, Nq, dtype=torch.float32, device=dev)
     o32 = torch.empty(n32, B, Nq, D, dtype=torch.float32, device=dev)
     o32_arg = o32 if n32 else lse  # never written when no head has a slot
-    block_m = tuning.INTERP_BLOCKS["BLOCK_M"] if INTERPRET else tuning.FWD_BLOCK_M
-    n_mblk = triton.cdiv(Nq, block_m)
-    n_st = B * H * n_mblk if want_stats else 1
-    st_cnt = torch.empty(2 * n_st, dtype=torch.int32, device=dev)
-    st_max = torch.empty(n_st, dtype=torch.float32, device=dev)
-    _fwd_tuned[(n_mblk, B * H)](
+    # Counter slots per (batch·head, block of the smallest BLOCK_M); a config with larger
+    # blocks leaves some at their initial 0 / -inf, which the reductions below ignore.
+    min_m = tuning.INTERP_BLOCKS["BLOCK_M"] if INTERPRET else tuning.FWD_MIN_BLOCK_M
+    n_mblk = triton.cdiv(Nq, min_m)
+    if want_stats:
+        st_cnt = torch.zeros(2 * B * H * n_mblk, dtype=torch.int32, device=dev)
+        st_max = torch.full((B * H * n_mblk,), -math.inf, dtype=torch.float32, device=dev)
+    else:
+        st_cnt = torch.empty(2, dtype=torch.int32, device=dev)
+        st_max = torch.empty(1, dtype=torch.float32, device=dev)
+    _fwd_tuned[lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
         q, k, v, o, o32_arg, lse, heads, st_cnt, st_max,
         scale, scale * math.log2(math.e), beta - 1.0, eps, GUARD_NATS[q.dtype], MIN_EXCESS,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         B, H, Nq, Nk, n_mblk, tuning.bucket(Nq), tuning.bucket(Nk),
-        D=D, BLOCK_M=block_m, CAUSAL=causal, STATS=want_stats, INTERPRET=INTERPRET)
+        D=D, CAUSAL=causal, STATS=want_stats, INTERPRET=INTERPRET)
     if want_stats:
         cnt = st_cnt.view(B, H, n_mblk, 2)
         tied = cnt[..., 0].sum((0, 2), dtype=torch.int64)

@@ -25,7 +25,7 @@ import os
 import triton
 
 AUTOTUNE = os.environ.get("FLASHWATCH_TRITON_AUTOTUNE", "1") != "0"
-FWD_BLOCK_M = 128  # fixed on the GPU: the forward's counter buffer is indexed by query block
+FWD_MIN_BLOCK_M = 64  # the forward's counter buffer has a slot per 64 query rows
 INTERP_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)  # tests swap in other blocks (rectangular)
 
 FWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "STATS"]
@@ -46,26 +46,29 @@ def _grid(pairs, warps=(4, 8), stages=(2, 3)):
     return [(*p, w, s) for p in pairs for w in warps for s in stages]
 
 
-# Candidate spaces: every config compile_check.py measures. Forward: BLOCK_N;
-# backward (one program per key block): (BLOCK_M, BLOCK_N).
-FWD_CANDIDATES = _grid([(64,), (128,)])
-BWD_CANDIDATES = _grid([(32, 64), (64, 64), (32, 128), (64, 128), (128, 64)],
-                       stages=(1, 2, 3))
+# Candidate spaces: every config compile_check.py measures, (BLOCK_M, BLOCK_N, warps,
+# stages). The backward runs one program per key block (BLOCK_N keys resident).
+FWD_CANDIDATES = _grid([(64, 32), (64, 64), (128, 32), (128, 64)])
+BWD_CANDIDATES = _grid([(32, 32), (32, 64), (64, 32), (64, 64)], stages=(1, 2))
 
-# The spill-free subsets, per head dim, from `compile_check.py --spills` (sm_90, bf16 and
-# fp16, causal and not, STATS on; D 16 and 32 use the D=64 set). A config missing here
-# spilled in at least one of those variants.
+# The spill-free subsets, per head dim, from `compile_check.py --spills --dtypes bf16
+# --causal 1` (sm_90, ptxas 13.4, forward with STATS on; the causal variant is a superset
+# of the non-causal code, fp16 has the same layouts; D 16 and 32 use the D=64 set).
+# Measured: 4 warps spill in every backward config and in the forward at D=128; BLOCK_N
+# 64 spills in every forward config (its [BLOCK_M, 64] score, tie and P̄ tiles); the
+# backward spills from BLOCK_M 64 (table in the kernel notes and RESULTS.md).
 FWD_SPACE = {
-    64: FWD_CANDIDATES,
-    128: FWD_CANDIDATES,
+    64: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2),
+         (128, 32, 8, 3)],
+    128: [(64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3)],
 }
 BWD_SPACE = {
-    64: BWD_CANDIDATES,
-    128: BWD_CANDIDATES,
+    64: [(32, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1), (32, 64, 8, 2)],
+    128: [(32, 32, 8, 1), (32, 32, 8, 2)],
 }
 # One config per head dim when tuning is off (FLASHWATCH_TRITON_AUTOTUNE=0).
-FWD_FIXED = {64: (64, 4, 3), 128: (64, 8, 3)}
-BWD_FIXED = {64: (64, 64, 4, 2), 128: (64, 64, 8, 2)}
+FWD_FIXED = {64: (128, 32, 8, 2), 128: (128, 32, 8, 2)}
+BWD_FIXED = {64: (32, 64, 8, 2), 128: (32, 32, 8, 1)}
 
 
 def _space_d(d: int) -> int:
@@ -88,10 +91,10 @@ def _pruner(space, fixed, names, interpret):
 
 def autotuned(kernel, *, backward: bool, interpret: bool, reset_to_zero=None):
     """`kernel` wrapped in triton.autotune with this module's key and space."""
-    names = ("BLOCK_M", "BLOCK_N") if backward else ("BLOCK_N",)
+    names = ("BLOCK_M", "BLOCK_N")
     cands = BWD_CANDIDATES if backward else FWD_CANDIDATES
     if interpret:  # two entries, so that the autotuner caches its (pruned) pick per key
-        cands = [(16, 16, 1, 1), (16, 32, 1, 1)] if backward else [(16, 1, 1), (32, 1, 1)]
+        cands = [(16, 16, 1, 1), (16, 32, 1, 1)]
     configs = [_cfg(c[-2], c[-1], **dict(zip(names, c[:-2], strict=True))) for c in cands]
     prune = _pruner(BWD_SPACE if backward else FWD_SPACE,
                     BWD_FIXED if backward else FWD_FIXED, names, interpret)

@@ -26,12 +26,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
 import flashwatch as fw  # noqa: E402
 from flashwatch.kernels import reference  # noqa: E402
 from flashwatch.kernels import triton_attention as ta  # noqa: E402
-from flashwatch.kernels import triton_helpers as th  # noqa: E402
 from flashwatch.kernels import triton_tuning as tuning  # noqa: E402
 from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
 
@@ -124,85 +122,6 @@ def assert_counters(stats, q, k, causal, scale, modes):
                         head_modes=modes, stats=ref_stats)
     for name in ("tied_rows", "guarded_rows", "rows", "max_logit"):
         assert torch.equal(getattr(stats, name).cpu(), getattr(ref_stats, name)), name
-
-
-# ---------------------------------------------------------------------------------
-# the interpreter workaround itself
-# ---------------------------------------------------------------------------------
-
-
-@triton.jit
-def _rne_probe(X, Y, N: tl.constexpr):
-    offs = tl.program_id(0) * N + tl.arange(0, N)
-    x = tl.load(X + offs)
-    tl.store(Y + offs, th._rne_bf16(x))
-
-
-@triton.jit
-def _store_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(Y + offs, th._to_store(tl.load(X + offs), Y.dtype.element_ty, INTERPRET))
-
-
-PROBE = 1024  # elements per program in the probe kernels
-
-
-@triton.jit
-def _up_probe(X, Y, N: tl.constexpr, INTERPRET: tl.constexpr):
-    offs = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(Y + offs, th._up(tl.load(X + offs), INTERPRET))
-
-
-def test_bf16_widening_exact_for_every_bit_pattern():
-    x = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16)
-    x = x.view(torch.bfloat16).to(DEVICE)
-    y = torch.empty(x.numel(), dtype=torch.float32, device=DEVICE)
-    _up_probe[(x.numel() // PROBE,)](x, y, N=PROBE, INTERPRET=ta.INTERPRET)
-    want = x.float()
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(y), nan)
-    assert torch.equal(y[~nan].view(torch.int32), want[~nan].view(torch.int32))
-
-
-def _bf16_bits(t):
-    return t.view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def test_rne_bf16_matches_torch_rounding():
-    one_ulp = 2.0 ** -7  # bf16 spacing in [1, 2)
-    specials = [
-        1.0 + one_ulp / 2,  # exact midpoint, even neighbour below: stays 1.0
-        1.0 + 3 * one_ulp / 2,  # exact midpoint, even neighbour above: rounds up
-        -(1.0 + one_ulp / 2), -(1.0 + 3 * one_ulp / 2),  # the same, negative
-        1.0 + one_ulp / 2 + 2.0 ** -20,  # just above a midpoint: up
-        1.0 + one_ulp / 2 - 2.0 ** -20,  # just below: down
-        -2.40625, -0.00087, -2.296875, -4.70399,  # docs/design.md §1 worked example
-        math.inf, -math.inf, math.nan, -0.0, 0.0,
-        3.3961e38,  # above bf16 max (3.3895e38) past the midpoint: overflows to +Inf
-        -3.3961e38,
-        1e-40, -1e-40, 2.0 ** -133 * 1.5,  # subnormals, one an exact midpoint
-        65504.0, 1e30, -7.1e-9,
-    ]
-    gen = torch.Generator().manual_seed(0)
-    rand_bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (4096,), generator=gen, dtype=torch.int64)
-    x = torch.cat([torch.tensor(specials, dtype=torch.float32),
-                   rand_bits.to(torch.int32).view(torch.float32)])
-    n = triton.next_power_of_2(x.numel())
-    x = torch.cat([x, torch.zeros(n - x.numel())]).to(DEVICE)
-    y = torch.empty_like(x)
-    _rne_probe[(n // PROBE,)](x, y, N=PROBE)
-    want = x.to(torch.bfloat16)
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(y), nan), "NaN must stay NaN (never become ±Inf)"
-    got = y[~nan].to(torch.bfloat16)  # exact: y already holds a bf16 value
-    assert torch.equal(y[~nan], got.float()), "RNE result is not a bf16 value"
-    assert torch.equal(_bf16_bits(got), _bf16_bits(want[~nan])), "differs from torch RNE"
-    assert torch.signbit(y[x == 0]).tolist() == torch.signbit(x[x == 0]).tolist()  # -0 kept
-    # the store path (what O, dQ, dK, dV go through) gives the same bits
-    z = torch.empty(n, dtype=torch.bfloat16, device=DEVICE)
-    _store_probe[(n // PROBE,)](x, z, N=PROBE, INTERPRET=ta.INTERPRET)
-    assert torch.equal(_bf16_bits(z[~nan]), _bf16_bits(want[~nan]))
-    assert torch.isnan(z[nan]).all()
 
 
 # ---------------------------------------------------------------------------------
@@ -312,6 +231,108 @@ def test_lse_and_fp32_copy_match_reference():
     torch.testing.assert_close(o32, res.o32.permute(1, 0, 2, 3), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, res.lse, rtol=1e-6, atol=1e-6)
     assert torch.equal(o32.to(torch.bfloat16)[0], o[:, 0])  # O is the FP32 copy rounded
+
+
+# ---------------------------------------------------------------------------------
+# the backward: FlashAttention-2's work, strided tensors, awkward shapes
+# ---------------------------------------------------------------------------------
+
+
+def count_dots(monkeypatch):
+    """Patch the interpreter so that every tl.dot executed is counted; returns the list
+    the counts go to (one entry per dot)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    calls = []
+    real = InterpreterBuilder.create_dot
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[0].data.shape)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpreterBuilder, "create_dot", counting)
+    return calls
+
+
+@pytest.mark.skipif(not ta.INTERPRET, reason="counts dots executed by the interpreter")
+@pytest.mark.parametrize("causal,pairs", [(False, 3 * 2), (True, 3 + 2)],
+                         ids=["full", "causal"])
+def test_backward_does_five_matmuls_per_block_pair(monkeypatch, causal, pairs):
+    # 16×16 blocks, Nq = 40 (3 query blocks, ragged), Nk = 32 (2 key blocks): 6 (query
+    # block, key block) pairs; causal (top-left) keeps the 5 pairs with a visible key.
+    # FlashAttention-2 does 5 matmuls per pair (S, dV, dP, dK, dQ); the former
+    # three-kernel backward recomputed S and dP for dQ: 7.
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 1, 40, 16, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, 1, 32, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn(1, 1, 40, 16, generator=gen).to(torch.bfloat16)
+    modes = torch.zeros(1, dtype=torch.int32)
+    o, lse, o32, *_ = ta.forward(q, k, v, modes, causal=causal, scale=0.25, beta=2.0,
+                                 eps=1e-3, want_stats=False)
+    calls = count_dots(monkeypatch)
+    ta.backward(do, q, k, v, o, o32, lse, modes, causal=causal, scale=0.25)
+    assert len(calls) == 5 * pairs
+
+
+def transposed(b, n, h, d, gen, dtype=torch.bfloat16):
+    """[B, H, N, D] view of a [B, N, H, D] tensor, as a model that splits heads makes."""
+    return torch.randn(b, n, h, d, generator=gen).to(dtype).to(DEVICE).transpose(1, 2)
+
+
+def test_strided_inputs_and_do_without_copies(monkeypatch):
+    # q, k, v and dO as a transposing model has them: views of [B, N, H, D]. Nothing may
+    # be copied to contiguous (the last dim is contiguous), O and the gradients come back
+    # in the inputs' layout, and every value equals the run on contiguous copies.
+    gen = torch.Generator().manual_seed(22)
+    q, k, v, do = (transposed(2, 37, 3, 16, gen) for _ in range(4))
+    want = run_triton(*(t.contiguous() for t in (q, k, v, do)), True, 0.25, ALL_MODES)
+    copies = []
+    real = torch.Tensor.contiguous
+
+    def spy(self, *args, **kwargs):
+        if not self.is_contiguous(*args, **kwargs):
+            copies.append(tuple(self.shape))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+    got = run_triton(q, k, v, do, True, 0.25, ALL_MODES)
+    monkeypatch.undo()
+    assert copies == []
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.equal(a, b), name
+        assert a.transpose(1, 2).is_contiguous(), f"{name} is not in the [B, N, H, D] layout"
+
+
+def test_keep_o32_buffer_read_in_place_by_the_backward():
+    # keep_o32 (the watcher's monitored calls) gives every head's FP32 O; the backward reads
+    # the FP32_O heads' rows from it in place and gives what the FP32_O-only buffer gives.
+    gen = torch.Generator().manual_seed(23)
+    q, k, v, do = (torch.randn(1, 3, 21, 16, generator=gen).to(torch.bfloat16).to(DEVICE)
+                   for _ in range(4))
+    modes = torch.tensor([2, 0, 1], dtype=torch.int32)
+    kw = dict(causal=False, scale=0.25, beta=2.0, eps=1e-3, want_stats=False)
+    o, lse, o32, *_ = ta.forward(q, k, v, modes, **kw)
+    o_all, lse_all, o32_all, *_ = ta.forward(q, k, v, modes, keep_o32=True, **kw)
+    assert o32.shape[0] == 1 and o32_all.shape[0] == 3  # FP32 O only for FP32_O heads
+    assert torch.equal(o, o_all) and torch.equal(o32_all[0], o32[0])
+    grads = ta.backward(do, q, k, v, o, o32, lse, modes, causal=False, scale=0.25)
+    grads_all = ta.backward(do, q, k, v, o_all, o32_all, lse_all, modes, causal=False,
+                            scale=0.25)
+    for a, b in zip(grads, grads_all, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 1), (1, 33), (33, 1), (50, 23)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradients_all_modes_awkward_shapes(nq, nk, causal):
+    # FP64 oracle, 2× rule, every mode, lengths 1 and not a multiple of the 16 blocks.
+    gen = torch.Generator().manual_seed(nq * 100 + nk + causal)
+    q, do = (torch.randn(2, 3, nq, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+             for _ in range(2))
+    k, v = (torch.randn(2, 3, nk, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+            for _ in range(2))
+    outs = run_triton(q, k, v, do, causal, 0.3, ALL_MODES)
+    assert_accuracy(outs, q, k, v, do, causal, 0.3)
 
 
 # ---------------------------------------------------------------------------------
