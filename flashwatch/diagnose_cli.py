@@ -15,7 +15,7 @@ import torch
 
 from flashwatch.diagnose import diagnose
 from flashwatch.diagnose_load import context_length, describe, load_model, load_tokens, make_batches
-from flashwatch.diagnose_rank import growth, rank
+from flashwatch.diagnose_rank import VERDICTS, growth, rank
 from flashwatch.diagnose_report import write_report
 
 MAX_BLOCK = 1024  # default tokens per row: GPT-2's context
@@ -44,16 +44,19 @@ def run_diagnose(args: argparse.Namespace) -> list[Path]:
         last = results[-1]
         last["heads"] = rank(last["heads"], last["batches"], last["tau"], grown)
     written = write_report(results, out, grown)
-    _summary(results[-1], sys.stdout)
+    for r in results:
+        _summary(r, sys.stdout, shown=SHOWN if r is results[-1] else 0)
     return written
 
 
-def _summary(result: dict, stream) -> None:
+def _summary(result: dict, stream, shown: int) -> None:
     heads = result["heads"]
-    flagged = [h for h in heads if h["verdict"] != "ok"]
-    print(f"{result['name']}: {len(flagged)} of {len(heads)} heads flagged "
-          f"({result['batches']} batches, {result['seconds']:.1f} s)", file=stream)
-    for h in heads[:SHOWN]:
+    counts = {v: sum(h["verdict"] == v for h in heads) for v in VERDICTS[:3]}
+    what = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    print(f"{result['name']}: {sum(counts.values())} of {len(heads)} heads flagged"
+          f"{f' ({what})' if what else ''}; {result['batches']} batches, "
+          f"{result['seconds']:.1f} s", file=stream)
+    for h in heads[:shown]:
         print(f"  #{h['rank']} {h['layer']}/{h['head']} {h['verdict']}: {h['evidence']}",
               file=stream)
         if h["verdict"] != "ok":

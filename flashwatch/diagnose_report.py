@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from flashwatch.diagnose_rank import SHARE_MIN, TIE_MIN, WQ_RATIO_MIN, Z_MIN
+from flashwatch.diagnose_rank import SHARE_MIN, TIE_MIN, VERDICTS, WQ_RATIO_MIN, Z_MIN
 
 TABLE_ROWS = 20  # ranked rows shown besides every flagged head
 HEATMAPS = (("tied_ratio", "tied-rowmax ratio"), ("max_logit", "max logit"),
@@ -61,8 +61,8 @@ def markdown(results: list[dict], growth: dict, images: list[str]) -> str:
         lines += ["", "## Evidence", ""]
         lines += [f"- {h['layer']}/{h['head']}: {h['evidence']}" for h in flagged]
     if growth:
-        lines += ["", "## Growth across checkpoints", "",
-                  "Checkpoints, oldest first: " + ", ".join(r["name"] for r in results), ""]
+        lines += ["", "## Checkpoints, oldest first", ""] + checkpoint_table(results)
+        lines += ["", "## Growth across checkpoints (last / first)", ""]
         lines += growth_table(growth, flagged)
     lines += [""] + [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
@@ -76,6 +76,22 @@ def table(heads: list[dict]) -> list[str]:
                     f"{h['tied_ratio']:.3f} | {h['max_logit']:.4g} | {_g(h['delta_share'])} | "
                     f"{h['delta_coherence']:.2f} | {h['sign_z']:+.2f} | {h['wq_sigma']:.3g} "
                     f"({h['wq_ratio']:.2f}) | {h['qk_clip_eta']:.3g} |")
+    return rows
+
+
+def checkpoint_table(results: list[dict]) -> list[str]:
+    """One row per checkpoint: verdict counts, medians and the worst head."""
+    rows = ["| checkpoint | paper-failure / delta-error / logit-growth | median δ error / "
+            "dW^Q | largest max logit | median tied | rank 1 |", "|---|---|---|---|---|---|"]
+    for r in results:
+        hs = r["heads"]
+        n = [sum(h["verdict"] == v for h in hs) for v in VERDICTS[:3]]
+        med = sorted(h["delta_share"] for h in hs)[len(hs) // 2]
+        tied = sorted(h["tied_ratio"] for h in hs)[len(hs) // 2]
+        top = hs[0]
+        rows.append(f"| {r['name']} | {n[0]} / {n[1]} / {n[2]} | {_g(med)} | "
+                    f"{max(h['max_logit'] for h in hs):.4g} | {tied:.3f} | "
+                    f"{top['layer']}/{top['head']} ({top['verdict']}) |")
     return rows
 
 

@@ -317,8 +317,11 @@ def test_cli_nanogpt_checkpoints_growth(tmp_path, capsys):
     assert g[("transformer.h.1.attn", 3)]["wq_sigma"] == pytest.approx(3.0, rel=1e-6)  # FP32 × 3
     assert g[("transformer.h.1.attn", 2)]["wq_sigma"] == pytest.approx(1.0, rel=1e-12)
     assert all(h["rows"] == 2 * 32 for h in js["checkpoints"][1]["heads"])  # every row
-    assert "grew 3.00× the median head" in (out / "report.md").read_text()
-    assert "b.pt: " in capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert "grew 3.00× the median head" in md
+    assert "| a.pt | " in md and "| b.pt | " in md  # the per-checkpoint table
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("a.pt: ") and printed[1].startswith("b.pt: ")
 
 
 def test_cli_hugging_face_directory(tmp_path, capsys):
