@@ -15,6 +15,7 @@ import json
 import math
 from pathlib import Path
 
+from flashwatch._checks import missing_extra
 from flashwatch.sinks import read_jsonl
 
 PLOTS = ("ties_heatmap.png", "drift.png", "spectral.png", "loss.png")
@@ -66,8 +67,7 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     try:
         import matplotlib
     except ImportError as e:  # an extra: the core install has no plotting library
-        raise ImportError("flashwatch report draws its plots with matplotlib, which is not "
-                          "installed: pip install 'flashwatch[report]'") from e
+        raise missing_extra("matplotlib", "report", "flashwatch report") from e
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
