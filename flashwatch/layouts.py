@@ -139,11 +139,12 @@ class QCheck:
         self.site = site
         self.norm = child(site.module, Q_NORM_NAMES)
         self.pre: torch.Tensor | None = None  # the norm's input of the last call
-        self.done = False
+        self.done = False  # checked and passed
+        self.failed = False  # checked and refused (raised once; never checked again)
 
     def arm(self) -> list:
         """Hooks to remove after the check (a forward pre-hook on the q norm, if any)."""
-        if self.norm is None or self.done:
+        if self.norm is None or self.done or self.failed:
             return []
 
         def keep(module, args):
@@ -156,7 +157,7 @@ class QCheck:
         """True once checked; False when this call cannot be checked (no X, shapes that
         do not line up); RuntimeError naming the layer and layout when Q does not match."""
         site = self.site
-        if self.done or x is None or site.q_index is None or q.dim() != 4:
+        if self.done or self.failed or x is None or site.q_index is None or q.dim() != 4:
             return self.done
         B, H, N, D = q.shape
         if x.dim() != 3 or x.shape[:2] != (B, N) or (H, D) != (site.num_heads, site.head_dim):
@@ -187,6 +188,7 @@ class QCheck:
             err, ref = (g - s * a).norm(), g.norm()
             what = "the q it hands SDPA (per-position norms, rotary-invariant)"
         if not bool(err <= QCHECK_RTOL * ref):  # `not <=` so that NaN fails too
+            self.failed, self.pre = True, None
             raise RuntimeError(
                 f"site {site.name!r}: its W^Q slice ({site.layout} layout, "
                 f"{site.num_heads} heads × {site.head_dim} of {type(site.q_module).__name__}"

@@ -131,6 +131,7 @@ def test_an_explicit_wrong_slice_is_refused_against_the_q_sdpa_gets(arch, layout
     with pytest.raises(RuntimeError, match=rf"{name}.*q layout.*q_layout=") as err:
         checks[0](c["x"], c["q"])
     assert "q_layout" in str(err.value) and all(n in str(err.value) for n in LAYOUTS[1:])
+    assert checks[0].failed and checks[0](c["x"], c["q"]) is False  # refused once only
     assert checks[1](c["x"], c["q"]) and checks[1].done
 
 
