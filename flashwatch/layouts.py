@@ -114,6 +114,21 @@ def fused_layout(module: nn.Module, qkv: nn.Linear, H: int, Hkv: int | None
             f"{LAYOUTS}")
 
 
+def known_layout(module: nn.Module, q_module: nn.Module | None, num_heads: int,
+                 num_kv_heads: int, head_dim: int) -> str | None:
+    """The layout discovery would give q_module as the site `module`'s projection, when
+    it agrees with these head counts (an explicit site's default); else None."""
+    H, Hkv, D = num_heads, num_kv_heads, head_dim
+    if not isinstance(q_module, nn.Linear):
+        return None
+    if q_module is module._modules.get("query_key_value"):
+        found = fused_layout(module, q_module, H, Hkv)
+        return found[0] if not isinstance(found, str) and found[1:] == (Hkv, D) else None
+    if q_module is module._modules.get("q_proj") and q_module.out_features == 2 * H * D:
+        return "per_head_q_gate"
+    return None
+
+
 def child(module: nn.Module, names) -> nn.Module | None:
     """The first direct child of `module` named in `names`."""
     for n in names:

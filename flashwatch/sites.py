@@ -255,7 +255,9 @@ def make_site(
     head_dim: defaults to d_model // num_heads.
     q_slice_of_output: (start, stop) of the Q channels in q_module's output, head-major.
       Default (0, num_heads * head_dim): right for a plain Q projection and for fused
-      [q | k | v] projections (nanoGPT, timm).
+      [q | k | v] projections (nanoGPT, timm); for a q_module whose layout is known
+      (`layouts.known_layout`: GPT-NeoX, Bloom, Falcon query_key_value, a gated q_proj)
+      that layout instead.
     q_layout: an interleaved layout of q_module's outputs (flashwatch/layouts.py):
       "per_head_qkv" (GPT-NeoX, Bloom: [q_h | k_h | v_h] per head), "per_group_qkv"
       (Falcon's new architecture), "per_head_q_gate" (Qwen3-Next's gated q_proj), or "q".
@@ -297,6 +299,8 @@ def make_site(
                              f"num_heads={num_heads}; pass head_dim= explicitly")
         head_dim = d_model // num_heads
     kv = num_heads if num_kv_heads is None else num_kv_heads
+    if q_slice_of_output is None and q_channels is None and q_layout is None:
+        q_layout = layouts.known_layout(module, q_mod, num_heads, kv, head_dim)
     index = _explicit_index(where, num_heads, kv, head_dim, q_mod, q_slice_of_output,
                             q_layout, q_channels)
     if wq is None:

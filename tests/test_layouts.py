@@ -111,18 +111,19 @@ def test_layout_indices_match_the_modeling_code_views():
                                          ("qwen3_next", "per_head_q_gate")])
 def test_an_explicit_wrong_slice_is_refused_against_the_q_sdpa_gets(arch, layout,
                                                                      monkeypatch):
-    """The issue's case: the default [Q | ...] slice of a per-head interleaved projection
+    """The issue's case: a [Q | ...] slice (0, H·D) of a per-head interleaved projection
     passes the orientation check (it is a consistent slice of the projection) and is
-    refused by the check against the actual q; the right q_layout passes."""
+    refused by the check against the actual q; the right q_layout passes, and is what
+    an explicit site of a known class gets by default."""
     model, kind = hf_tiny(arch)
     found = find_sites(model)
     name = found[0].name
     q_child = "query_key_value" if arch == "gpt_neox" else "q_proj"
-    wrong = find_sites(model, sites={name: dict(num_heads=4, num_kv_heads=found[0].num_kv_heads,
-                                                head_dim=8, q_module=q_child)})[0]
-    right = find_sites(model, sites={name: dict(num_heads=4, num_kv_heads=found[0].num_kv_heads,
-                                                head_dim=8, q_module=q_child,
-                                                q_layout=layout)})[0]
+    spec = dict(num_heads=4, num_kv_heads=found[0].num_kv_heads, head_dim=8, q_module=q_child)
+    wrong = find_sites(model, sites={name: dict(spec, q_slice_of_output=(0, 32))})[0]
+    right = find_sites(model, sites={name: dict(spec, q_layout=layout)})[0]
+    default = find_sites(model, sites={name: spec})[0]
+    assert default.layout == layout and torch.equal(default.q_index, right.q_index)
     checks = [QCheck(s) for s in (wrong, right)]
     handles = [h for c in checks for h in c.arm()]
     c = capture(model, [right], hf_inputs(kind, B=2, N=6), monkeypatch)[name]
