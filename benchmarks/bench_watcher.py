@@ -31,12 +31,14 @@ Usage: python benchmarks/bench_watcher.py [--steps 200] [--threads 2] [--state-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import io
 import pathlib
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -162,6 +164,131 @@ def state_size(n_steps: int) -> None:
             sizes[step] = buf.tell()
     print(f"| state_dict bytes after 100 monitored steps | {sizes[100]} |")
     print(f"| state_dict bytes after {n_steps} monitored steps | {sizes[n_steps]} |")
+
+
+GPT2_SMALL = dict(block_size=1024, vocab_size=50_257, n_layer=12, n_head=12, n_embd=768)
+PHASES = ("not_watched", "watched_sdpa", "watched_routed")
+
+
+@contextlib.contextmanager
+def sync_warnings():
+    """Syncs CUDA flags while the block runs (torch.cuda.set_sync_debug_mode("warn")):
+    yields a list that holds one entry per synchronising call once the block exits."""
+    found: list = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            yield found
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    found += [str(r.message)[:120] for r in rec if "synchroniz" in str(r.message)]
+
+
+def _dynamo_counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items()}
+
+
+def _counter_diff(before: dict, after: dict) -> dict:
+    out = {}
+    for sec, vals in after.items():
+        d = {str(k)[:160]: v - before.get(sec, {}).get(k, 0) for k, v in vals.items()
+             if isinstance(v, int) and v != before.get(sec, {}).get(k, 0)}
+        if d:
+            out[sec] = d
+    return out
+
+
+def phases(cfg: GPTConfig, device: str, compile_kw: dict | None, steps: int = 20,
+           every: int = 5, warmup: int = 3, batch: int = 8) -> dict:
+    """One model through PHASES (not watched; watch() attached, SDPA; heads 0 and 1 of
+    every layer FP32_O and BETA), `warmup` + `steps` optimizer steps each. Per phase:
+    median monitored / unmonitored step ms, syncs per monitored / unmonitored step (the
+    most seen), peak memory (CUDA), the torch._dynamo counters it moved (graph breaks,
+    CUDA-graph skips and partitions) and the amortised step ratio to the unwatched
+    phase at this cadence. benchmarks/gpu_check.py stage (c)."""
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    run = model if compile_kw is None else torch.compile(model, **compile_kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
+    data = (model, run, opt, idx[:, :-1].to(device), idx[:, 1:].to(device))
+    w, out = None, {}
+    for phase in PHASES:
+        if phase == "watched_sdpa":
+            w = fw.watch(model, every_n_steps=every)
+        elif phase == "watched_routed":
+            for site in w.sites:
+                w.set_head_modes(site.name, [fw.Mode.FP32_O, fw.Mode.BETA] +
+                                 [fw.Mode.STANDARD] * (site.num_heads - 2))
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        before = _dynamo_counters()
+        ms, syncs = _phase_steps(data, w, device, compile_kw is None, warmup + steps, warmup,
+                                 every)
+        out[phase] = {
+            "ms": {k: statistics.median(v) for k, v in ms.items() if v},
+            "syncs": {k: None if None in v else max(v) for k, v in syncs.items() if v},
+            "peak_mem_gb": (torch.cuda.max_memory_allocated() / 2**30 if device == "cuda"
+                            else None),
+            "dynamo_counters": _counter_diff(before, _dynamo_counters()),
+            "monitor_errors_total": None if w is None else w.monitor_errors_total}
+    w.remove()
+    base = out["not_watched"]["ms"]["unmon"]
+    for phase in PHASES[1:]:
+        t = out[phase]["ms"]
+        if "mon" in t and "unmon" in t:
+            out[phase]["amortised_ratio"] = ((every - 1) * t["unmon"] + t["mon"]) / (every * base)
+    return out
+
+
+def overhead_modes(device: str, mode: str, dry: bool = False) -> dict:
+    """phases() on GPT-2 Small in one torch.compile mode ("eager", "compiled",
+    "reduce_overhead"); dry: a 2-layer GPT on the CPU, compiled with backend="eager"
+    (no inductor, no CUDA graphs there). benchmarks/gpu_check.py stage (c)."""
+    size = (dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=32) if dry
+            else GPT2_SMALL)
+    kw = {"eager": None, "compiled": {}, "reduce_overhead": {"mode": "reduce-overhead"}}[mode]
+    if dry and kw is not None:
+        kw = {"backend": "eager"}
+    steps, every = (4, 2) if dry else (20, 5)
+    # warm-up: two monitored steps (the traced probe compiles at the second) and one more
+    res = phases(GPTConfig(**size), device, kw, steps=steps, every=every,
+                 warmup=2 * every + 1, batch=2 if dry else 8)
+    errors = [p["monitor_errors_total"] for p in res.values() if p["monitor_errors_total"]]
+    return {"ok": not errors, "model": size, "every_n_steps": every, "phases": res}
+
+
+def _phase_steps(data, w, device: str, eager: bool, n: int, warmup: int, every: int):
+    """Step times (ms) and syncs per step, by monitored ("mon") / unmonitored ("unmon").
+    Syncs: CUDA's sync debug mode; on the CPU flashwatch/synccount.py (eager only, one
+    counter over the phase so that what earlier steps put on the "device" stays there)."""
+    from flashwatch.synccount import SyncCounter
+
+    model, run, opt, x, y = data
+    ms, syncs = {"mon": [], "unmon": []}, {"mon": [], "unmon": []}
+    cpu_eager = device != "cuda" and eager
+    with SyncCounter(device=[model, opt, x, y]) if cpu_eager else \
+            contextlib.nullcontext() as sc:
+        for i in range(n):
+            kind = "mon" if w is not None and w.step_count % every == 0 else "unmon"
+            if sc is not None:
+                sc.reset()
+            sync(device)
+            t0 = time.perf_counter()
+            with sync_warnings() if device == "cuda" else contextlib.nullcontext() as found:
+                train_step(run, opt, x, y)
+                if w is not None:
+                    w.step()
+            sync(device)
+            if i >= warmup:
+                ms[kind].append(1e3 * (time.perf_counter() - t0))
+                syncs[kind].append(len(found) if found is not None else
+                                   None if sc is None else sc.total)
+    return ms, syncs
 
 
 def main() -> None:

@@ -1,286 +1,429 @@
-"""GPU check for the Triton attention kernels: native tests, then speed vs SDPA flash.
+"""GPU check of flashwatch in two runs of ≤ 8 minutes each on one lent GPU (docs/gpu_check.md).
 
-    python benchmarks/gpu_check.py --out benchmarks/gpu_results
+    python benchmarks/gpu_check.py --stage ab --out gpu_ab.json   # run 1: (a) then (b)
+    python benchmarks/gpu_check.py --stage c --out gpu_c.json     # run 2
+    python benchmarks/gpu_check.py --dry-run --stage all --out /tmp/dry.json   # CPU
 
-1. Runs tests/test_triton_attention.py natively on CUDA (TRITON_INTERPRET=0, one fixed
-   config per head dim so the run does not autotune every test shape).
-2. Times forward, backward and forward+backward of `flashwatch.attention` (Triton, autotuned)
-   against `F.scaled_dot_product_attention` restricted to the flash backend, bf16, causal:
-   B=8 H=12 N=1024 D=64 and B=4 H=16 N=4096 D=128, in four variants: counters off,
-   counters on, all heads BETA, all heads FP32_O. Ratios are measured side by side in
-   this one run.
-3. Checks that changing head modes compiled no new kernel.
-4. Cost of the δ error on every row (benchmarks/bench_all_rows.py on CUDA, T=1024):
-   monitored training steps, all rows vs sampled rows, Triton and SDPA.
-5. Watcher overhead on CUDA (benchmarks/bench_watcher.py --device cuda --gpt2-small):
-   eager, torch.compile'd (monitored steps traced into the graph after the first) and
-   compiled with mode="reduce-overhead" (CUDA graphs; the probe ops are cudagraph_unsafe).
-Writes OUT.json and OUT.md. Budget: ≤ 10 minutes on one H100/H200 for 1-4 (tests ≈ 2-3
-min of compiles, tuning ≈ 1 min per shape, timing < 1 min, all-rows step timing ≤ 2 min),
-plus ≤ 3 × --watcher-timeout (150 s) for 5, mostly compilation (unmeasured so far: pass
---watcher-timeout 0 to skip it, or --skip-tests to make room).
-
-Targets (issue 3): fwd+bwd ≥ 0.9× SDPA flash with counters off; counters on ≤ 3% slower
-than off; all-BETA ≤ 5% slower; all-FP32_O ≤ 10% slower.
+(a) correctness per (N, D, causal) of GRID at B 8, H 16, bf16, autotuned, heads in the
+    modes STANDARD, BETA, FP32_O by turn: O, dQ, dK, dV of each mode's heads against FP64
+    math attention under |out − ref| ≤ 2·|pt − ref| + 1e-4 (pt: bf16 math), counters
+    equal to a brute-force count over exact FP32 scores. First "warm": every Triton
+    compile of the grid in parallel worker processes, into Triton's disk cache.
+(b) speed per (N, D, causal): fwd, bwd, fwd+bwd ms and TFLOP/s of the kernel (counters
+    off / on, all BETA, all FP32_O) and SDPA's flash backend, side by side; then the
+    autotuner's picks.
+(c) watcher overhead on GPT-2 Small, eager / torch.compile / mode="reduce-overhead"
+    (benchmarks/bench_watcher.py overhead_modes): step times, syncs per step
+    (torch.cuda.set_sync_debug_mode), peak memory, dynamo counters.
+The JSON at --out is rewritten (tmp file + rename) after every sub-check; a stage past
+its budget (--budget) records the rest as skipped; a failing sub-check is recorded as an
+error and the run goes on. --dry-run: every stage's code path on the CPU at tiny shapes
+with the reference backend (Triton's interpreter under TRITON_INTERPRET=1), same JSON.
+FLASHWATCH_GPU_CHECK_FAIL / _KILL=<sub-check> make one sub-check raise / kill the process
+(tests/test_gpu_check.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
-SHAPES = [(8, 12, 1024, 64), (4, 16, 4096, 128)]
+sys.path.insert(0, str(ROOT))
+import flashwatch as fw  # noqa: E402
+from benchmarks import bench_watcher  # noqa: E402
+from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
+from tests.oracle import causal_mask, math_attention  # noqa: E402  (the tests' oracle)
+
+REAL = dict(device="cuda", B=8, H=16, grid=[(n, d, c) for c in (True, False)
+                                            for d in (128, 64) for n in (4096, 2048)],
+            rep_ms=100, backend="triton")
+DRY = dict(device="cpu", B=1, H=3, grid=[(48, 16, True), (40, 16, False)], rep_ms=5,
+           backend="triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference")
+BUDGET_S = {"a": 330, "b": 120, "c": 450}  # ab: ≤ 450 s of work + ≈ 20 s of start-up
+CHECK_TIMEOUT_S = {"a": 240, "b": 90, "c": 200}  # one sub-check; w (warm) is inside a
+MODES = (Mode.STANDARD, Mode.BETA, Mode.FP32_O)
 VARIANTS = ("counters_off", "counters_on", "all_beta", "all_fp32_o")
-TARGETS = {  # variant: (compare against, max slowdown of fwd+bwd)
-    "counters_on": ("counters_off", 0.03),
-    "all_beta": ("counters_off", 0.05),
-    "all_fp32_o": ("counters_off", 0.10),
-}
-SDPA_TARGET = 0.9  # Triton counters-off fwd+bwd throughput ≥ 0.9 × SDPA flash
+TARGETS = {"sdpa_over_counters_off": 0.9, "counters_on": 0.03, "all_beta": 0.05,
+           "all_fp32_o": 0.10}  # issue 3: ≥ 0.9 × SDPA; slowdowns vs counters off
 
 
-def run_tests(timeout_s: int) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0", FLASHWATCH_TRITON_AUTOTUNE="0")
+class Report:
+    """The JSON report, rewritten atomically after every change: a kill loses nothing."""
+
+    def __init__(self, path: Path, meta: dict):
+        self.path, self.data = path, {"meta": meta, "stages": {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        os.replace(tmp, self.path)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout("sub-check timed out")
+
+
+def run_stage(report: Report, stage: str, checks: list, budget_s: float, timeout_s: float):
+    """Run (name, fn) checks in order; each result is written before the next starts."""
     t0 = time.time()
+    st = report.data["stages"][stage] = {"budget_s": budget_s, "checks": {}}
+    for name, fn in checks:
+        left = budget_s - (time.time() - t0)
+        t1 = time.time()
+        if left <= 0:
+            st["checks"][name] = {"status": "skipped", "reason": f"stage budget {budget_s} s"}
+            report.write()
+            continue
+        signal.signal(signal.SIGALRM, _alarm)
+        signal.alarm(max(1, int(min(left, timeout_s))))
+        try:
+            if os.environ.get("FLASHWATCH_GPU_CHECK_KILL") == name:
+                os._exit(3)
+            if os.environ.get("FLASHWATCH_GPU_CHECK_FAIL") == name:
+                raise RuntimeError("failure injected by FLASHWATCH_GPU_CHECK_FAIL")
+            result = fn()
+            status = "ok" if result.get("ok", True) else "fail"
+            entry = {"status": status, "result": result}
+        except Exception as e:  # recorded, and the run goes on
+            entry = {"status": "error", "error": f"{type(e).__name__}: {e}"}
+        finally:
+            signal.alarm(0)
+        entry["seconds"] = round(time.time() - t1, 2)
+        st["checks"][name] = entry
+        st["seconds"] = round(time.time() - t0, 2)
+        report.write()
+        print(f"[{stage}] {name}: {entry['status']} ({entry['seconds']} s)", flush=True)
+
+
+# ------------------------------------------------------------------ helpers
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_ms(fn, device: str, rep_ms: int, grad_to_none=()) -> float:
+    """Mean ms per call: triton.testing.do_bench on CUDA, a wall-clock window on CPU."""
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, rep=rep_ms, grad_to_none=list(grad_to_none))
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or (time.perf_counter() - t0) * 1e3 < rep_ms:
+        for t in grad_to_none:
+            t.grad = None
+        fn()
+        n += 1
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def _scale(d: int) -> float:
+    return 2.0 ** -math.ceil(math.log2(math.sqrt(d)))  # a power of two ≤ 1/sqrt(D)
+
+
+def inputs(cfg: dict, n: int, d: int, seed: int = 0):
+    """q, k multiples of 1/8 in [-2, 2] (exact FP32 scores; q × 32 on odd heads), a third
+    of the keys copied (planted ties), v and dO normal; bf16 on the device."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (cfg["B"], cfg["H"], n, d)
+    q, k = ((torch.randint(-16, 17, shape, generator=g) / 8) for _ in range(2))
+    k[:, :, n - n // 3:] = k[:, :, :n // 3]
+    q[:, 1::2] *= 32  # odd heads: row maxima of 100s of nats, past BETA's 60-nat guard
+    v, do = (torch.randn(shape, generator=g) for _ in range(2))
+    return [t.to(torch.bfloat16).to(cfg["device"]) for t in (q, k, v, do)]
+
+
+def head_modes(h: int) -> list[int]:
+    return [int(MODES[i % len(MODES)]) for i in range(h)]
+
+
+def math_fwd_bwd(q, k, v, do, causal, scale, dtype):
+    """(o, dq, dk, dv) of math attention in `dtype`, one batch element at a time."""
+    outs = [[], [], [], []]
+    for b in range(q.shape[0]):
+        leaves = [t[b:b + 1].detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        o = math_attention(*leaves, causal=causal, scale=scale, dtype=dtype)
+        o.backward(do[b:b + 1].to(dtype))
+        for acc, t in zip(outs, [o.detach()] + [x.grad for x in leaves], strict=True):
+            acc.append(t)
+    return [torch.cat(x) for x in outs]
+
+
+def brute_counters(q, k, causal, scale, modes, beta=2.0, eps=1e-3):
+    """(tied, guarded, max_logit) per head from the full FP32 score matrix."""
+    beta_h = torch.tensor(modes, device=q.device).eq(int(Mode.BETA)).view(-1, 1)
+    tied_n = guarded_n = 0
+    m_max = torch.full((q.shape[1],), -math.inf, device=q.device)
+    for b in range(q.shape[0]):
+        s = torch.matmul(q[b].float(), k[b].float().transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(causal_mask(*s.shape[-2:], s.device), -math.inf)
+        m = s.amax(-1)
+        tied = ((s >= (m - eps).unsqueeze(-1)) & (s != -math.inf)).sum(-1) >= 2
+        excess = torch.where(m > 0, (beta - 1.0) * m, -m)
+        guarded = tied & beta_h & (excess > GUARD_NATS[q.dtype])
+        tied_n, guarded_n = tied_n + tied.sum(-1), guarded_n + guarded.sum(-1)
+        m_max = torch.maximum(m_max, m.amax(-1))
+    return tied_n.cpu(), guarded_n.cpu(), m_max.cpu()
+
+
+def run_kernel(cfg, q, k, v, do, causal, scale, modes, stats=None):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o = fw.attention(*leaves, causal=causal, scale=scale, head_modes=modes, stats=stats,
+                     backend=cfg["backend"])
+    o.backward(do)
+    return [o.detach()] + [t.grad for t in leaves]
+
+
+# ------------------------------------------------------------------ (w) and (a)
+def warm(cfg: dict, dry: bool) -> dict:
+    """Compile every kernel variant of the grid in parallel processes (Triton's cache)."""
+    combos = sorted({(d, c) for _, d, c in cfg["grid"]})
+    procs = []
+    for d, c in combos:
+        for stats in (True, False):
+            n = max(n for n, dd, cc in cfg["grid"] if (dd, cc) == (d, c))
+            cmd = [sys.executable, __file__, "--warm-one", f"{n},{d},{int(c)},{int(stats)}"]
+            procs.append(((d, c, stats), subprocess.Popen(
+                cmd + (["--dry-run"] if dry else []), cwd=ROOT, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True)))
+    out = {}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             str(ROOT / "tests" / "test_triton_attention.py")],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-        tail, rc = (proc.stdout + proc.stderr)[-4000:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        tail, rc = f"timed out after {timeout_s}s\n{(e.stdout or '')[-3000:]}", -1
-    return {"returncode": rc, "seconds": round(time.time() - t0, 1), "tail": tail}
+        for key, p in procs:
+            text, _ = p.communicate()
+            out[str(key)] = {"returncode": p.returncode, "tail": text[-300:]}
+    finally:  # a timeout of this sub-check leaves no worker compiling on
+        for _, p in procs:
+            if p.poll() is None:
+                p.kill()
+    return {"ok": all(r["returncode"] == 0 for r in out.values()), "workers": out}
 
 
-def _run_script(args: list, timeout_s: int) -> dict:
-    """A benchmarks/ script on CUDA (compiled kernels); rc, seconds and its output's tail."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / args[0]), *args[1:]]
-    t0 = time.time()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"),
-                              capture_output=True, text=True, timeout=timeout_s)
-        tail, rc = (proc.stdout + proc.stderr)[-3000:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        tail, rc = f"timed out after {timeout_s}s\n{(e.stdout or '')[-2000:]}", -1
-    return {"returncode": rc, "seconds": round(time.time() - t0, 1), "table": tail}
+def warm_one(cfg: dict, spec: str) -> None:
+    """One worker of warm(): the autotuned kernel at B 2 compiles every config of its
+    keys. The binaries are the grid's: B and H are runtime ints, which Triton
+    specialises only on == 1 and divisibility by 16 (B 2 and 8 alike; H kept)."""
+    n, d, causal, stats = (int(x) for x in spec.split(","))
+    small = dict(cfg, B=2)
+    q, k, v, do = inputs(small, n, d)
+    st = fw.AttentionStats.zeros(cfg["H"], device=cfg["device"]) if stats else None
+    if stats:
+        run_kernel(small, q, k, v, do, bool(causal), _scale(d), head_modes(cfg["H"]), st)
+    else:
+        with torch.no_grad():
+            fw.attention(q, k, v, causal=bool(causal), scale=_scale(d),
+                         backend=cfg["backend"])
+    _sync(cfg["device"])
 
 
-def run_all_rows(timeout_s: int) -> dict:
-    """benchmarks/bench_all_rows.py on CUDA; its markdown table as text."""
-    return _run_script(["bench_all_rows.py", "--device", "cuda", "--block", "1024",
-                        "--steps", "10"], timeout_s)
+def check_correct(cfg: dict, n: int, d: int, causal: bool) -> dict:
+    q, k, v, do = inputs(cfg, n, d, seed=n + d + causal)
+    H, scale, modes = cfg["H"], _scale(d), head_modes(cfg["H"])
+    stats = fw.AttentionStats.zeros(H, device=cfg["device"])
+    outs = run_kernel(cfg, q, k, v, do, causal, scale, modes, stats)
+    ref = math_fwd_bwd(q, k, v, do, causal, scale, torch.float64)
+    pt = math_fwd_bwd(q, k, v, do, causal, scale, torch.bfloat16)
+    errors, ok = {}, True
+    for mode in MODES:
+        heads = [h for h in range(H) if modes[h] == int(mode)]
+        for name, out, r, p in zip(("o", "dq", "dk", "dv"), outs, ref, pt, strict=True):
+            err = (out[:, heads].double() - r[:, heads]).abs().max().item()
+            pt_err = (p[:, heads].double() - r[:, heads]).abs().max().item()
+            good = bool(torch.isfinite(out[:, heads]).all()) and err <= 2 * pt_err + 1e-4
+            errors[f"{mode.name}.{name}"] = {"err": err, "pt_err": pt_err, "ok": good}
+            ok &= good
+    tied, guarded, max_logit = brute_counters(q, k, causal, scale, modes)
+    got = {"tied": stats.tied_rows.cpu(), "guarded": stats.guarded_rows.cpu(),
+           "max_logit": stats.max_logit.cpu()}
+    counters = {
+        "tied": torch.equal(got["tied"], tied), "guarded": torch.equal(got["guarded"], guarded),
+        "rows": stats.rows.cpu().tolist() == [cfg["B"] * n] * H,
+        "max_logit": torch.equal(got["max_logit"], max_logit),
+        "tied_rows": got["tied"].tolist(), "guarded_rows": got["guarded"].tolist()}
+    ok &= all(counters[k] for k in ("tied", "guarded", "rows", "max_logit"))
+    ok &= counters["tied_rows"] != [0] * H  # the planted ties must be there
+    return {"ok": ok, "errors": errors, "counters": counters}
 
 
-WATCHER_RUNS = {"eager": [], "compiled": ["--compile"],
-                "reduce_overhead": ["--compile", "--compile-mode", "reduce-overhead"]}
-
-
-def run_watcher(timeout_s: int) -> dict:
-    """benchmarks/bench_watcher.py on CUDA, GPT-2 Small, per WATCHER_RUNS; tables as text."""
-    return {name: _run_script(["bench_watcher.py", "--device", "cuda", "--gpt2-small",
-                               "--steps", "60", "--state-steps", "0", *extra], timeout_s)
-            for name, extra in WATCHER_RUNS.items()}
-
-
-def flops(b, h, n, d, causal=True):
+# ------------------------------------------------------------------ (b)
+def flops(b, h, n, d, causal) -> float:
     f = 4.0 * b * h * n * n * d  # QKᵀ and PV, 2 flops per multiply-add
     return f / 2 if causal else f
 
 
-def n_compiled(kernel) -> int | None:
-    """Number of compiled variants held by a JITFunction (None if the API differs)."""
-    try:
-        return sum(len(cache[0]) for cache in kernel.device_caches.values())
-    except Exception:
-        return None
-
-
-def bench_shape(shape, rep_ms: int) -> dict:
-    import torch
-    import torch.nn.functional as F
+def check_speed(cfg: dict, n: int, d: int, causal: bool) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
 
-    import flashwatch as fw
-
-    b, h, n, d = shape
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def leaf():
-        return torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16,
-                           generator=gen).requires_grad_()
-
-    q, k, v = leaf(), leaf(), leaf()
-    do = torch.randn_like(q)
-    modes = {
-        "counters_off": [0] * h,
-        "counters_on": [0] * h,
-        "all_beta": [int(fw.Mode.BETA)] * h,
-        "all_fp32_o": [int(fw.Mode.FP32_O)] * h,
-    }
-    stats = fw.AttentionStats.zeros(h, device="cuda")
+    q, k, v, do = inputs(cfg, n, d)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    H, dev = cfg["H"], cfg["device"]
+    modes = {"counters_off": [0] * H, "counters_on": [0] * H,
+             "all_beta": [int(Mode.BETA)] * H, "all_fp32_o": [int(Mode.FP32_O)] * H}
+    stats = fw.AttentionStats.zeros(H, device=dev)
 
     def make(variant):
         if variant == "sdpa_flash":
             def fwd():
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal)
             return fwd
-        m = torch.tensor(modes[variant], dtype=torch.int32)
-        st = stats if variant == "counters_on" else None
+        st, m = (stats if variant == "counters_on" else None), modes[variant]
+        return lambda: fw.attention(q, k, v, causal=causal, head_modes=m, stats=st,
+                                    backend=cfg["backend"])
 
-        def fwd():
-            return fw.attention(q, k, v, causal=True, head_modes=m, stats=st,
-                                backend="triton")
-        return fwd
-
-    out = {}
+    f, res = flops(cfg["B"], H, n, d, causal), {}
     for variant in ("sdpa_flash",) + VARIANTS:
         fwd = make(variant)
-        o = fwd()  # compiles / autotunes
-        o.backward(do)
-        t_fwd = do_bench(fwd, rep=rep_ms)
+        fwd().backward(do)  # tunes and compiles outside the timing
+        ms_f = time_ms(fwd, dev, cfg["rep_ms"])
         o = fwd()
-        t_bwd = do_bench(lambda o=o: o.backward(do, retain_graph=True), rep=rep_ms,
-                         grad_to_none=[q, k, v])
+        ms_b = time_ms(lambda o=o: o.backward(do, retain_graph=True), dev, cfg["rep_ms"],
+                       (q, k, v))
+        ms_fb = time_ms(lambda fwd=fwd: fwd().backward(do), dev, cfg["rep_ms"], (q, k, v))
+        res[variant] = {"ms": {"fwd": ms_f, "bwd": ms_b, "fwd_bwd": ms_fb},
+                        "tflops": {"fwd": f / ms_f * 1e-9, "bwd": 2.5 * f / ms_b * 1e-9,
+                                   "fwd_bwd": 3.5 * f / ms_fb * 1e-9}}
+    base = res["counters_off"]["ms"]["fwd_bwd"]
+    ratios = {"sdpa_over_counters_off": res["sdpa_flash"]["ms"]["fwd_bwd"] / base}
+    ratios.update({v: res[v]["ms"]["fwd_bwd"] / base - 1 for v in VARIANTS[1:]})
+    verdicts = {k: (r >= TARGETS[k]) if k.startswith("sdpa") else (r <= TARGETS[k])
+                for k, r in ratios.items()}
+    return {"variants": res, "fwd_bwd_ratios": ratios, "meets_target": verdicts}
 
-        def step(fwd=fwd):
-            fwd().backward(do)
 
-        t_all = do_bench(step, rep=rep_ms, grad_to_none=[q, k, v])
-        f = flops(b, h, n, d)
-        out[variant] = {
-            "ms": {"fwd": t_fwd, "bwd": t_bwd, "fwd_bwd": t_all},
-            # backward = 2.5 × forward flops (dV, dP, dQ, dK + recomputed S)
-            "tflops": {"fwd": f / t_fwd * 1e-9, "bwd": 2.5 * f / t_bwd * 1e-9,
-                       "fwd_bwd": 3.5 * f / t_all * 1e-9},
-        }
-    # correctness spot check against SDPA on this shape
-    with torch.no_grad():
-        ref = make("sdpa_flash")().float()
-        got = make("counters_off")().float()
-        out["max_abs_diff_vs_sdpa"] = (ref - got).abs().max().item()
+def tuned_configs() -> dict:
+    """The autotuner's pick per key, from kernels/triton_attention.py's TUNED."""
+    from flashwatch.kernels import triton_attention as ta
+
+    tuned = getattr(ta, "TUNED", ())
+    return {"configs": {f"{getattr(t, 'fn', t).__name__}{key}": str(c)
+                        for t in tuned for key, c in getattr(t, "cache", {}).items()}}
+
+
+# ------------------------------------------------------------------ compile counts
+def compile_estimate(cfg: dict) -> dict:
+    """Triton compiles and autotune runs each stage would trigger on the GPU, from
+    kernels/triton_tuning.py's spaces and keys. A compiled variant is one (kernel, D,
+    causal, counters, config): N enters the key as its power-of-two bucket but the
+    kernel as runtime ints (specialised only on divisibility by 16), so N 2048 and 4096
+    share binaries but each tunes. Plus the untuned δ and dQ-out kernels, one per D."""
+    from flashwatch.kernels import triton_tuning as tt
+
+    def space(table, d):
+        fixed = (tt.FWD_FIXED if table is tt.FWD_SPACE else tt.BWD_FIXED)
+        return len(table[128 if d > 64 else 64]) if tt.AUTOTUNE else len(fixed)
+
+    stages = {"a": [(n, d, c, True) for n, d, c in cfg["grid"]],
+              "b": [(n, d, c, s) for n, d, c in cfg["grid"] for s in (False, True)],
+              "c": [(1024, 64, True, s) for s in (False, True)]}
+    stages["c_alone"] = stages["c"]  # run 2 on a fresh machine: nothing cached
+    seen_keys, seen_bins, out = set(), set(), {}
+    for stage, keys in stages.items():
+        if stage == "c_alone":
+            seen_keys, seen_bins = set(), set()
+        tunes = compiles = 0
+        for n, d, c, s in keys:
+            b = tt.bucket(n)
+            for kernel, key, bin_ in (("fwd", (b, d, c, s), (d, c, s)),
+                                      ("bwd", (b, d, c), (d, c))):
+                size = space(tt.FWD_SPACE if kernel == "fwd" else tt.BWD_SPACE, d)
+                if (kernel, key) not in seen_keys:
+                    seen_keys.add((kernel, key))
+                    tunes += 1
+                if (kernel, bin_) not in seen_bins:
+                    seen_bins.add((kernel, bin_))
+                    compiles += size
+        out[stage] = {"autotune_runs": tunes, "kernel_compiles": compiles}
+    out["note"] = ("a, b, c: new ones in this order within one warm Triton cache; "
+                   "c_alone: stage c on a fresh machine; plus the untuned helper kernels")
     return out
 
 
-def check_no_recompile() -> dict:
-    import torch
-
-    import flashwatch as fw
-    from flashwatch.kernels import triton_attention as ta
-
-    q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16)
-    fw.attention(q, q, q, causal=True, head_modes=[0, 0, 0, 0], backend="triton")
-    before = n_compiled(ta._fwd_kernel)
-    for modes in ([1, 1, 1, 1], [2, 0, 1, 2], [0, 2, 2, 1]):
-        fw.attention(q, q, q, causal=True, head_modes=modes, backend="triton")
-    torch.cuda.synchronize()
-    after = n_compiled(ta._fwd_kernel)
-    return {"compiled_before": before, "compiled_after": after,
-            "ok": None if before is None else before == after}
+STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead"}
 
 
-def verdicts(results: dict) -> list[str]:
-    lines = []
-    for shape, r in results.items():
-        base = r["counters_off"]["ms"]["fwd_bwd"]
-        sdpa = r["sdpa_flash"]["ms"]["fwd_bwd"]
-        ratio = sdpa / base
-        lines.append(f"{shape}: Triton/SDPA fwd+bwd throughput {ratio:.2f} "
-                     f"({'ok' if ratio >= SDPA_TARGET else 'MISS'}, target ≥ {SDPA_TARGET})")
-        for variant, (against, limit) in TARGETS.items():
-            slow = r[variant]["ms"]["fwd_bwd"] / r[against]["ms"]["fwd_bwd"] - 1
-            lines.append(f"{shape}: {variant} {slow:+.1%} vs {against} "
-                         f"({'ok' if slow <= limit else 'MISS'}, target ≤ {limit:.0%})")
-    return lines
+def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
+    """[(stage, [(sub-check name, fn)])] in run order."""
+    def key(n, d, c):
+        return f"N{n}_D{d}_{'causal' if c else 'full'}"
 
-
-def markdown(report: dict) -> str:
-    md = [f"# Triton attention on {report['device']}", "",
-          f"torch {report['torch']}, triton {report['triton']}, {report['date']}", "",
-          f"Native tests: rc={report['tests']['returncode']} in "
-          f"{report['tests']['seconds']} s", "",
-          "| shape (B,H,N,D) causal bf16 | variant | fwd ms | bwd ms | fwd+bwd ms | "
-          "fwd TFLOP/s | bwd TFLOP/s | fwd+bwd TFLOP/s |",
-          "|---|---|---|---|---|---|---|---|"]
-    for shape, r in report["bench"].items():
-        for variant in ("sdpa_flash",) + VARIANTS:
-            ms, tf = r[variant]["ms"], r[variant]["tflops"]
-            md.append(f"| {shape} | {variant} | {ms['fwd']:.3f} | {ms['bwd']:.3f} | "
-                      f"{ms['fwd_bwd']:.3f} | {tf['fwd']:.0f} | {tf['bwd']:.0f} | "
-                      f"{tf['fwd_bwd']:.0f} |")
-    md += ["", "## Targets", ""] + [f"- {line}" for line in report["verdicts"]]
-    md += ["", f"Mode change recompiles: {report['no_recompile']}", ""]
-    md += ["## δ error on every row vs sampled rows (benchmarks/bench_all_rows.py)", "",
-           f"rc={report['all_rows']['returncode']} in {report['all_rows']['seconds']} s",
-           "", report["all_rows"]["table"].strip(), ""]
-    for name, r in report.get("watcher", {}).items():
-        md += [f"## Watcher overhead, {name} (benchmarks/bench_watcher.py --device cuda "
-               f"--gpt2-small)", "", f"rc={r['returncode']} in {r['seconds']} s", "",
-               r["table"].strip(), ""]
-    md += ["## Test output (tail)", "", "```", report["tests"]["tail"].strip(), "```", ""]
-    return "\n".join(md)
+    checks = {
+        "a": [("warm", lambda: warm(cfg, dry))] + [
+            (key(*p), lambda p=p: check_correct(cfg, *p)) for p in cfg["grid"]],
+        "b": [(key(*p), lambda p=p: check_speed(cfg, *p)) for p in cfg["grid"]] + [
+            ("tuned_configs", tuned_configs)],
+        "c": [(m, lambda m=m: bench_watcher.overhead_modes(cfg["device"], m, dry))
+              for m in ("eager", "compiled", "reduce_overhead")],
+    }
+    todo = "abc" if stage == "all" else stage
+    warmer = checks["a"].pop(0)
+    if warm_first:  # the first of a and b warms the cache
+        checks["a" if "a" in todo else "b"].insert(0, warmer)
+    return [(s, checks[s]) for s in "abc" if s in todo]
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description="Triton attention GPU check (tests + speed)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu_results"),
-                    help="output path without suffix; writes OUT.json and OUT.md")
-    ap.add_argument("--skip-tests", action="store_true", help="timing only")
-    ap.add_argument("--test-timeout", type=int, default=300, help="seconds for the tests")
-    ap.add_argument("--rep-ms", type=int, default=200, help="timing window per measurement")
-    ap.add_argument("--all-rows-timeout", type=int, default=120,
-                    help="seconds for the all-rows vs sampled-rows step timing")
-    ap.add_argument("--watcher-timeout", type=int, default=150,
-                    help="seconds for each watcher-overhead run (0: skip them)")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stage", default="ab", choices=("a", "b", "c", "ab", "all"),
+                    help="ab then c: two runs of ≤ 8 min each")
+    ap.add_argument("--out", required=False, default=str(ROOT / "gpu_check.json"))
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference")
+    ap.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
+                    help=f"a stage's time budget (default {BUDGET_S})")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="no parallel compile first (Triton's cache is warm already)")
+    ap.add_argument("--warm-one", help=argparse.SUPPRESS)  # a worker of warm()
     args = ap.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        print("unset TRITON_INTERPRET: this script runs the compiled kernels", file=sys.stderr)
+    cfg = DRY if args.dry_run else REAL
+    if args.warm_one:
+        warm_one(cfg, args.warm_one)
+        return 0
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run on the CPU", file=sys.stderr)
         return 2
-
-    import torch
-    import triton
-
-    if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check", file=sys.stderr)
+    if not args.dry_run and os.environ.get("TRITON_INTERPRET") == "1":
+        print("unset TRITON_INTERPRET: this runs the compiled kernels", file=sys.stderr)
         return 2
-    t0 = time.time()
-    tests = ({"returncode": None, "seconds": 0, "tail": "skipped"} if args.skip_tests
-             else run_tests(args.test_timeout))
-    print(f"tests: rc={tests['returncode']} ({tests['seconds']} s)", flush=True)
-    bench = {}
-    for shape in SHAPES:
-        key = "x".join(map(str, shape))
-        bench[key] = bench_shape(shape, args.rep_ms)
-        print(f"{key}: " + json.dumps({v: bench[key][v]["tflops"] for v in
-                                       ("sdpa_flash",) + VARIANTS}), flush=True)
-    report = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "tests": tests, "bench": bench, "no_recompile": check_no_recompile(),
-        "all_rows": run_all_rows(args.all_rows_timeout),
-        "watcher": run_watcher(args.watcher_timeout) if args.watcher_timeout else {},
-        "seconds": round(time.time() - t0, 1),
-    }
-    report["verdicts"] = verdicts(bench)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(markdown(report))
-    print("\n".join(report["verdicts"]))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')} "
-          f"in {report['seconds']} s")
-    return 0 if tests["returncode"] in (0, None) else 1
+    budget = dict(BUDGET_S)
+    for item in args.budget:
+        name, _, secs = item.partition("=")
+        if name not in BUDGET_S or not secs.replace(".", "", 1).isdigit():
+            ap.error(f"--budget takes STAGE=SECONDS with STAGE in a, b, c; got {item!r}")
+        budget[name] = float(secs)
+    meta = {"argv": sys.argv[1:], "dry_run": args.dry_run, "torch": torch.__version__,
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "device": torch.cuda.get_device_name() if not args.dry_run else "cpu",
+            "config": {k: v for k, v in cfg.items()}, "budget_s": budget,
+            "stages": {s: STAGES[s] for s in ("abc" if args.stage == "all" else args.stage)}}
+    try:
+        meta["compile_estimate"] = compile_estimate(REAL)
+    except Exception as e:  # the kernels' tuning module moved: say so, go on
+        meta["compile_estimate"] = {"error": f"{type(e).__name__}: {e}"}
+    report = Report(Path(args.out), meta)
+    for stage, checks in plan(args.stage, cfg, args.dry_run, not args.no_warm):
+        run_stage(report, stage, checks, budget[stage], CHECK_TIMEOUT_S[stage])
+    bad = [f"{s}.{n}" for s, st in report.data["stages"].items()
+           for n, c in st["checks"].items() if c["status"] in ("fail", "error")]
+    print(f"wrote {args.out}; not ok: {bad or 'none'}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
