@@ -15,141 +15,117 @@ MITIGATIONS = ("off", "advise", "auto")
 
 @dataclass(frozen=True)
 class WatchConfig:
-    """Configuration of `flashwatch.watch`. Frozen; integrations build it from kwargs.
+    """Configuration of `flashwatch.watch` and of both callbacks: every knob of the
+    watcher, with its default. Frozen. Each field's meaning, and the measurement its
+    default comes from, is in the comment above it; the groups are cadence and
+    sampling, the kernel, the policy (docs/design.md §6), policy v2 and QK-clip."""
 
-    Cadence and sampling
-      every_n_steps   monitor one optimizer step in this many (the others cost nothing
-                      beyond the attention call itself). Default 10: at 80 layers × 64
-                      heads a monitored step costs each rank ≈ 0.2–0.3 s (rank 0, with its
-                      sinks, up to 0.5 s), 0.4–1 % of a ≈ 5 s step of a 70B model on
-                      1,024 GPUs once amortised
-                      (benchmarks/RESULTS.md, "At scale"); raise it for more margin.
-      rows_per_head   query rows sampled per layer and monitored step for the δ probe;
-                      each is recomputed in FP32 against all keys: cost ∝ rows·N·D·H,
-                      tiny next to the layer's N²·D·H. Default 64. Rounded up so that
-                      every batch element drawn gives the same number of rows (⌈R/B⌉;
-                      exactly R when B divides it), which lets them run as one batched
-                      matmul; every row is equally likely to be drawn. "all": recompute
-                      every row of a foreign kernel's call (e.g. SDPA) in FP32, so Σc
-                      and Σc² cover all rows (cost ≈ one FP32 attention forward per
-                      watched call; benchmarks/RESULTS.md). flashwatch's own kernels
-                      give c on every row either way, from their FP32 O.
-      sketch_dim      k of the k×k sketch G_t of the W^Q gradient error. Default 8.
-      window          monitored steps in the sliding window of drift z and coherence.
-                      Default 64.
-      seed            seeds the sketch matrices and the row sampling. Default 0.
-
-    Kernel
-      eps             tie tolerance in scaled-score units (docs/design.md §4). Default 1e-3.
-      beta            β of the BETA fix (paper: 2..8). Default 2.0. eps and beta apply
-                      to every attention call in a watched layer, also to a
-                      flashwatch.attention call that passes its own (logged once).
-      backend         attention backend for routed calls: "auto" | "reference" | "triton"
-                      | "paper" (see flashwatch.attention). Default "auto".
-      route_all       route every watched attention call through flashwatch.attention
-                      (exact tie counters on all rows) instead of only layers with a
-                      non-STANDARD head. Default False.
-
-    Policy (docs/design.md §6). A head is flagged when its ties are elevated
-    (tied_rowmax_ratio ≥ tie_ratio_threshold) and either its δ error persists in sign
-    (delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold) or
-    its W^Q spectral norm grew abnormally (relative growth over the window ≥
-    spectral_growth_threshold and ≥ spectral_growth_factor × the median head's growth).
-      mitigation      "off" (measure only) | "advise" (report the recommended mode) |
-                      "auto" (apply it from the next step). Default "advise".
-      tie_ratio_threshold        default 0.02 (i.i.d. Gaussian logits, N = 1024: ≈ 0.004)
-      drift_z_threshold          default 4.0 (z ≈ N(0, 1) under zero-mean errors; largest
-                                 z seen in 200 zero-mean streams × 1000 steps: 3.8)
-      coherence_threshold        default 0.15 (zero-mean: ≈ 1/sqrt(window) = 0.125; a
-                                 unit rank-1 bias b·R in k×k noise of std σ per entry
-                                 gives ≈ sqrt(W²b² + Wk²σ²) / (W sqrt(b² + k²σ²)) over
-                                 W steps: 0.175 at b = σ, k = 8, W = 64; the earlier
-                                 default 0.3 missed biases below b ≈ 2.3σ;
-                                 tests/test_signals.py)
-      spectral_growth_threshold  default 0.2
-      spectral_growth_factor     default 3.0
-      patience        consecutive flagged monitored steps before acting. Default 3.
-      min_history     monitored steps of history before any decision. Default 16.
-      verify_steps    monitored steps after a switch to BETA before deciding whether the
-                      drift decayed; if not, escalate to FP32_O. Default 32.
-      power_iters     for a W^Q sharded over ranks (FSDP2 rows; a W^Q this process
-                      holds whole needs no iteration: its norm comes from the small
-                      d_head × d_head Gram matrix, flashwatch/spectral.py): the least
-                      number of warm-started power-iteration steps per monitored step;
-                      it goes on until σ changes by < 1e-5 (relative), at most
-                      power_max_iters. Default 4.
-      power_max_iters the most warm-started iterations per monitored step (sharded
-                      W^Q). Default 100: 4–12 were needed at 80 layers × 64 heads
-                      (benchmarks/RESULTS.md), 8–48 early in training with AdamW at lr
-                      1e-3 every 10 steps; 100 covers a fast-turning W^Q (4 left σ 1.6 %
-                      low once). At d_head 128, d_model 8,192 one iteration reads W^Q
-                      twice, ≈ 0.11 ms per layer on an H100-class GPU: 80 layers at the
-                      cap ≈ 0.9 s per monitored step; lower it (≥ power_iters) to bound
-                      that.
-
-    Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py).
-      delta_share_threshold  the δ error's share of the head's W^Q gradient at or above
-                      which a head goes to FP32_O directly (no tie gate). Default 0.1:
-                      measured 0.002 at initialisation, 0.014 at logits ≈ 17, per-run
-                      medians 0.02–0.21 in a fused kernel and 0.14–0.40 in the paper's
-                      BF16 arithmetic at lr 3e-2, logits in the thousands
-                      (docs/REPRODUCTION.md, study v2). Real runs at an ordinary lr:
-                      `flashwatch demo --steps 600 --mitigation auto --seed 0` (and 1),
-                      lr 3e-3: share median 0.0008, 99th percentile 0.006–0.008 over
-                      4,800 head-steps each, no event from any rule. Synthetic streams: 0 of
-                      200 heads switched in 1000 monitored steps at a true share of
-                      0.07, all 200 at 0.2 (tests/test_policy.py).
-      delta_share_steps      consecutive monitored steps at or above the threshold
-                      before acting. Default 8 (one noisy 64-row estimate never acts).
-      beta_max_excess        BETA is chosen only where its shift stays this many nats or
-                      less above the row max, (β − 1)·max logit ≤ beta_max_excess (the
-                      fused and Triton kernels' underflow guard, 60 nats; within it the
-                      shift is the authors' exact β·r_m). Elsewhere the policy picks
-                      FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
-                      backend="paper" the limit is at most 20: the authors' unguarded rule
-                      floors a tied row's block sum from ≈ 23.7 nats (O shrinks) and
-                      zeroes rows from ≈ 88 nats (tests/test_policy.py). Default 60.0.
-      growth_min_logit       the W^Q-growth rule flags a head only while its max logit is
-                      at least this. Default 100: at ordinary settings logits stay at
-                      15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo ≈ 15) while heads
-                      grow ×5–7 at different rates, which the rule took for a hazard in
-                      runs that never spiked; the δ error is a large share of the
-                      gradient only at logits in the hundreds (docs/REPRODUCTION.md §2).
-                      The demo: 12 and 8 heads flagged without the floor (seeds 0, 1),
-                      all at max logits ≤ 15; none with it.
-
-    QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and FP32_O.
-      qk_clip_threshold      τ: after each monitored step, heads whose max logit exceeds
-                      τ get W^Q rows × η^α and W^K rows × η^(1−α), η = τ / max logit
-                      (Kimi K2 MuonClip, Megatron-LM --qk-clip; Megatron's τ is 100).
-                      None (default): off.
-      qk_clip_alpha          α, the share of the reduction put on W^Q. Default 0.5.
-    """
-
+    # ---- Cadence and sampling
+    # Monitor one optimizer step in this many (the others cost nothing beyond the
+    # attention call itself). At 80 layers × 64 heads a monitored step costs each rank
+    # ≈ 0.2–0.3 s (rank 0, with its sinks, up to 0.5 s), 0.4–1 % of a ≈ 5 s step of a 70B
+    # model on 1,024 GPUs once amortised (benchmarks/RESULTS.md, "At scale"); raise it
+    # for more margin.
     every_n_steps: int = 10
+    # Query rows sampled per layer and monitored step for the δ probe; each is
+    # recomputed in FP32 against all keys: cost ∝ rows·N·D·H, tiny next to the layer's
+    # N²·D·H. Rounded up so that every batch element drawn gives the same number of rows
+    # (⌈R/B⌉; exactly R when B divides it), which lets them run as one batched matmul;
+    # every row is equally likely to be drawn. "all": recompute every row of a foreign
+    # kernel's call (e.g. SDPA) in FP32, so Σc and Σc² cover all rows (cost ≈ one FP32
+    # attention forward per watched call; benchmarks/RESULTS.md). flashwatch's own
+    # kernels give c on every row either way, from their FP32 O.
     rows_per_head: int | str = 64
-    sketch_dim: int = 8
-    window: int = 64
-    seed: int = 0
+    sketch_dim: int = 8  # k of the k×k sketch G_t of the W^Q gradient error
+    window: int = 64  # monitored steps in the sliding window of drift z and coherence
+    seed: int = 0  # seeds the sketch matrices and the row sampling
+
+    # ---- Kernel
+    # eps: tie tolerance in scaled-score units (docs/design.md §4); beta: β of the BETA
+    # fix (paper: 2..8). Both apply to every attention call in a watched layer, also to
+    # a flashwatch.attention call that passes its own (logged once).
     eps: float = 1e-3
     beta: float = 2.0
+    # Attention backend for routed calls: "auto" | "reference" | "triton" | "paper"
+    # (see flashwatch.attention).
     backend: str = "auto"
+    # Route every watched attention call through flashwatch.attention (exact tie
+    # counters on all rows) instead of only layers with a non-STANDARD head.
     route_all: bool = False
+
+    # ---- Policy (docs/design.md §6). A head is flagged when its ties are elevated
+    # (tied_rowmax_ratio ≥ tie_ratio_threshold) and either its δ error persists in sign
+    # (delta_drift_z ≥ drift_z_threshold and delta_coherence ≥ coherence_threshold) or
+    # its W^Q spectral norm grew abnormally (relative growth over the window ≥
+    # spectral_growth_threshold and ≥ spectral_growth_factor × the median head's growth).
+    # "off" (measure only) | "advise" (report the recommended mode) | "auto" (apply it
+    # from the next step).
     mitigation: str = "advise"
-    tie_ratio_threshold: float = 0.02
+    tie_ratio_threshold: float = 0.02  # i.i.d. Gaussian logits, N = 1024: ≈ 0.004
+    # z ≈ N(0, 1) under zero-mean errors; largest z seen in 200 zero-mean streams × 1000
+    # steps: 3.8.
     drift_z_threshold: float = 4.0
+    # Zero-mean: ≈ 1/sqrt(window) = 0.125; a unit rank-1 bias b·R in k×k noise of std σ
+    # per entry gives ≈ sqrt(W²b² + Wk²σ²) / (W sqrt(b² + k²σ²)) over W steps: 0.175 at
+    # b = σ, k = 8, W = 64; the earlier default 0.3 missed biases below b ≈ 2.3σ
+    # (tests/test_signals.py).
     coherence_threshold: float = 0.15
     spectral_growth_threshold: float = 0.2
     spectral_growth_factor: float = 3.0
-    patience: int = 3
-    min_history: int = 16
+    patience: int = 3  # consecutive flagged monitored steps before acting
+    min_history: int = 16  # monitored steps of history before any decision
+    # Monitored steps after a switch to BETA before deciding whether the drift decayed;
+    # if not, escalate to FP32_O.
     verify_steps: int = 32
+    # For a W^Q sharded over ranks (FSDP2 rows; a W^Q this process holds whole needs no
+    # iteration: its norm comes from the small d_head × d_head Gram matrix,
+    # flashwatch/spectral.py): the least number of warm-started power-iteration steps
+    # per monitored step; it goes on until σ changes by < 1e-5 (relative), at most
+    # power_max_iters.
     power_iters: int = 4
+    # The most warm-started iterations per monitored step (sharded W^Q): 4–12 were
+    # needed at 80 layers × 64 heads (benchmarks/RESULTS.md), 8–48 early in training
+    # with AdamW at lr 1e-3 every 10 steps; 100 covers a fast-turning W^Q (4 left σ 1.6 %
+    # low once). At d_head 128, d_model 8,192 one iteration reads W^Q twice, ≈ 0.11 ms
+    # per layer on an H100-class GPU: 80 layers at the cap ≈ 0.9 s per monitored step;
+    # lower it (≥ power_iters) to bound that.
     power_max_iters: int = 100
+
+    # ---- Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py)
+    # The δ error's share of the head's W^Q gradient at or above which a head goes to
+    # FP32_O directly (no tie gate). Measured 0.002 at initialisation, 0.014 at logits
+    # ≈ 17, per-run medians 0.02–0.21 in a fused kernel and 0.14–0.40 in the paper's
+    # BF16 arithmetic at lr 3e-2, logits in the thousands (docs/REPRODUCTION.md, study
+    # v2). Real runs at an ordinary lr: `flashwatch demo --steps 600 --mitigation auto
+    # --seed 0` (and 1), lr 3e-3: share median 0.0008, 99th percentile 0.006–0.008 over
+    # 4,800 head-steps each, no event from any rule. Synthetic streams: 0 of 200 heads
+    # switched in 1000 monitored steps at a true share of 0.07, all 200 at 0.2
+    # (tests/test_policy.py).
     delta_share_threshold: float = 0.1
+    # Consecutive monitored steps at or above the threshold before acting (one noisy
+    # 64-row estimate never acts).
     delta_share_steps: int = 8
+    # BETA is chosen only where its shift stays this many nats or less above the row
+    # max, (β − 1)·max logit ≤ beta_max_excess (the fused and Triton kernels' underflow
+    # guard, 60 nats; within it the shift is the authors' exact β·r_m). Elsewhere the
+    # policy picks FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
+    # backend="paper" the limit is at most 20: the authors' unguarded rule floors a tied
+    # row's block sum from ≈ 23.7 nats (O shrinks) and zeroes rows from ≈ 88 nats
+    # (tests/test_policy.py).
     beta_max_excess: float = 60.0
+    # The W^Q-growth rule flags a head only while its max logit is at least this. At
+    # ordinary settings logits stay at 15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo
+    # ≈ 15) while heads grow ×5–7 at different rates, which the rule took for a hazard in
+    # runs that never spiked; the δ error is a large share of the gradient only at
+    # logits in the hundreds (docs/REPRODUCTION.md §2). The demo: 12 and 8 heads flagged
+    # without the floor (seeds 0, 1), all at max logits ≤ 15; none with it.
     growth_min_logit: float = 100.0
+
+    # ---- QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and
+    # FP32_O. τ: after each monitored step, heads whose max logit exceeds τ get W^Q rows
+    # × η^α and W^K rows × η^(1−α), η = τ / max logit (Kimi K2 MuonClip, Megatron-LM
+    # --qk-clip; Megatron's τ is 100). None: off. α: the share of the reduction put on
+    # W^Q.
     qk_clip_threshold: float | None = None
     qk_clip_alpha: float = 0.5
 
