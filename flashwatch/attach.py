@@ -49,10 +49,10 @@ class Link:
     class before it was watched. Deep copies and DataParallel replicas of the module
     share it (as they shared forward hooks): they are measured as the same layer."""
 
-    __slots__ = ("watcher", "st", "base")
+    __slots__ = ("recorder", "st", "base")
 
-    def __init__(self, watcher, st, base: type):
-        self.watcher, self.st, self.base = watcher, st, base
+    def __init__(self, recorder, st, base: type):
+        self.recorder, self.st, self.base = recorder, st, base
 
     def __deepcopy__(self, memo):
         return self
@@ -74,12 +74,11 @@ def watched_class(base: type) -> type:
         @functools.wraps(original)
         def forward(module, *args, **kwargs):
             link = module.__dict__.get(LINK)
-            w = None if link is None else link.watcher
-            if w is not None and not w._removed and (
-                    link.st.routed or (w._monitoring and not w._paused)):
-                if link.st.traced and torch.compiler.is_compiling():
+            rec = None if link is None else link.recorder
+            if rec is not None and rec.active(link.st):
+                if link.st.compiled.traced and torch.compiler.is_compiling():
                     return _traced.run(link.st, module, original, args, kwargs)
-                return w._attachment.run(link.st, module, original, args, kwargs)
+                return rec.attachment.run(link.st, module, original, args, kwargs)
             return original(module, *args, **kwargs)
 
         cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
@@ -101,7 +100,7 @@ class _Interceptor(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             st = self.attachment.current
             if st is not None:
-                return self.attachment.watcher._on_sdpa(st, func, args, kwargs)
+                return self.attachment.recorder.on_sdpa(st, func, args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -152,10 +151,10 @@ def _forget(key: int) -> None:
 
 
 class Attachment:
-    """A watcher's hold on its model's watched layers (`watcher._attachment`)."""
+    """A watcher's hold on its model's watched layers (`recorder.attachment`)."""
 
-    def __init__(self, watcher):
-        self.watcher = watcher
+    def __init__(self, recorder):
+        self.recorder = recorder  # flashwatch/capture.py: the calls and hooks go there
         self._local = threading.local()  # per-thread stack of running watched modules
         self._mode = _Interceptor(self)
         self._unwraps: list = []
@@ -178,11 +177,11 @@ class Attachment:
                         "mitigated (head modes set on it are reported unmitigable)",
                         st.site.name)
         old = mod.__dict__.get(LINK)
-        if old is not None and not old.watcher._removed:
+        if old is not None and not old.recorder.cadence.removed:
             log.warning("flashwatch: %s was watched by another Watcher that was not "
                         "removed; this one takes the layer over", st.site.name)
         base = type(mod) if old is None else old.base
-        link = Link(self.watcher, st, base)
+        link = Link(self.recorder, st, base)
         mod.__dict__[LINK] = link
         mod.__class__ = watched_class(base)
 
@@ -210,18 +209,18 @@ class Attachment:
     def run(self, st, module, original, args, kwargs):
         """The watched module's forward on measured or routed steps: mark it current for
         its attention calls, run it, unmark it."""
-        w = self.watcher
+        rec = self.recorder
         if st.routed and not recomputing():
             st.module_calls += 1
         frame = [st, None, False]
         frames = self.frames()
         frames.append(frame)
         try:
-            frame[1] = _dispatch_mod._INTERCEPT.set(w._make_fw_interceptor(st))
+            frame[1] = _dispatch_mod._INTERCEPT.set(rec.interceptor(st))
             self._mode.__enter__()
             frame[2] = True
         except Exception as e:
-            w._error(f"forward entry {st.site.name}", e)
+            rec.ledger.error(f"forward entry {st.site.name}", e)
         try:
             return original(module, *args, **kwargs)
         finally:
@@ -232,9 +231,9 @@ class Attachment:
                         self._mode.__exit__(None, None, None)
                     if frame[1] is not None:
                         _dispatch_mod._INTERCEPT.reset(frame[1])
-                    st.x = None
+                    st.buf.x = None
                 except Exception as e:
-                    w._error(f"forward exit {st.site.name}", e)
+                    rec.ledger.error(f"forward exit {st.site.name}", e)
 
     # --------------------------------------------------------------------- step hooks
 
@@ -257,19 +256,19 @@ class Attachment:
         self.armed = False
 
     def _x_hook(self, st):
-        w = self.watcher
+        rec = self.recorder
 
         def hook(module, args):
             if torch.compiler.is_compiling():
                 return  # traced into a graph, X comes from flashwatch/traced.py's mode; an
                 # assignment here would be replayed after the graph and outlive the step
-            if w._measuring and not w._removed and args:
-                st.x = args[0]  # a reference only; rows are taken at the attention call
+            if rec.cadence.measuring and not rec.cadence.removed and args:
+                st.buf.x = args[0]  # a reference only; rows are taken at the attention call
                 if getattr(module, "weight", None) is not st.wq_hooked:
                     try:  # the weight was replaced (fully_shard): hook the new one
                         self._hook_wq_grad(st)
                     except Exception as e:
-                        w._error(f"W^Q gradient {st.site.name}", e)
+                        rec.ledger.error(f"W^Q gradient {st.site.name}", e)
         return hook
 
     def _hook_wq_grad(self, st) -> None:
@@ -278,7 +277,7 @@ class Attachment:
         st.wq_hooked = wq
         if isinstance(st.site.q_module, nn.Linear) and wq is not None and wq.requires_grad:
             self._step_handles.append(
-                wq.register_post_accumulate_grad_hook(self.watcher._wq_grad_hook(st)))
+                wq.register_post_accumulate_grad_hook(self.recorder.wq_grad_hook(st)))
 
     def force_eager(self, on: bool) -> None:
         """While a step is measured and some layer cannot take the traced probe
@@ -293,7 +292,7 @@ class Attachment:
         try:
             _measuring(id(self), on)
         except Exception as e:  # e.g. step() called inside a compiled region
-            self.watcher._error("torch.compile stance", e)
+            self.recorder.ledger.error("torch.compile stance", e)
 
     # ------------------------------------------------------------------------ detach
 

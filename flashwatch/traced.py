@@ -23,7 +23,7 @@ TorchFunctionMode that Dynamo traces into the model's graph (no graph break). Th
 to a watcher, and is an input of the graph, not a constant it specialises on.
 
 Used only for layers an earlier eager monitored step showed it can measure like the
-eager probe (flashwatch/watcher.py `Watcher._traceable` says which); any other layer
+eager probe (flashwatch/layer_state.py `LayerState.traceable` says which); any other layer
 keeps the watcher on the force_eager path (flashwatch/attach.py).
 """
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-# key -> (watcher, layer state), both weak: the ops only find them while they live.
+# key -> (recorder, layer state), both weak: the ops only find them while they live.
 _SITES: dict[int, tuple] = {}
 _KEYS = itertools.count()
 
@@ -46,9 +46,9 @@ SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "sc
              "enable_gqa")
 
 
-def register(watcher, st) -> int:
+def register(recorder, st) -> int:
     key = next(_KEYS)
-    _SITES[key] = (weakref.ref(watcher), weakref.ref(st))
+    _SITES[key] = (weakref.ref(recorder), weakref.ref(st))
     return key
 
 
@@ -105,7 +105,7 @@ def probe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     w, st = _lookup(int(key))
     call = -1
     if w is not None and st is not None:
-        call = w._traced_probe(st, q, k, v, out, x, attn_mask, causal, scale)
+        call = w.traced_probe(st, q, k, v, out, x, attn_mask, causal, scale)
     return out.clone(), torch.tensor(call, dtype=torch.int64)
 
 
@@ -118,7 +118,7 @@ def _probe_fake(q, k, v, out, x, attn_mask, key, causal, scale):
 def probe_grad(grad: torch.Tensor, key: torch.Tensor, call: torch.Tensor) -> torch.Tensor:
     w, st = _lookup(int(key))
     if w is not None and st is not None:
-        w._traced_grad(st, int(call), grad)
+        w.traced_grad(st, int(call), grad)
     return grad.clone()
 
 
@@ -171,6 +171,6 @@ def q_path(module: nn.Module, q_module) -> str | None:
 
 def run(st, module, original, args, kwargs):
     """The watched forward of a compiled monitored step, traced by Dynamo."""
-    wq = None if st.q_path is None else module.get_submodule(st.q_path).weight
-    with Interceptor(st.key_t, wq):
+    wq = None if st.compiled.q_path is None else module.get_submodule(st.compiled.q_path).weight
+    with Interceptor(st.compiled.key_t, wq):
         return original(module, *args, **kwargs)

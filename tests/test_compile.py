@@ -55,7 +55,7 @@ def test_unmonitored_steps_trace_without_a_graph_break_and_fullgraph_holds():
     w = fw.watch(model, every_n_steps=2)
     x, y = _batch()
     _step(model, w)  # step 0 (monitored) done: step 1 is unmonitored
-    assert not w._measuring
+    assert not w._cadence.measuring
     explained = torch._dynamo.explain(model)(x, y)
     assert explained.graph_break_count == 0, explained.break_reasons
     # fullgraph=True raises on any graph break
@@ -127,7 +127,7 @@ def test_a_traced_monitored_step_has_no_graph_break_and_fullgraph_holds():
     model = _gpt()
     w = fw.watch(model, every_n_steps=1)
     _step(model, w)  # measured eagerly: every layer seen calling SDPA
-    assert all(st.traced for st in w._states) and _stance() == "default"
+    assert all(st.compiled.traced for st in w.layer_states) and _stance() == "default"
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True)  # raises on a break
     report = _step(compiled, w, seed=1)
@@ -148,7 +148,7 @@ def test_modes_set_on_a_traced_model_take_it_back_to_the_eager_path():
     _step(compiled, w)
     assert _stance() == "default"  # layers seen: traced from here
     w.set_head_modes("transformer.h.0.attn", [Mode.FP32_O, Mode.STANDARD])
-    assert _stance() == "force_eager" and not w._states[0].traced
+    assert _stance() == "force_eager" and not w.layer_states[0].compiled.traced
     report = _step(compiled, w, seed=1)
     assert report.unmitigable == {} and w.monitor_errors_total == 0
     assert [h.head_mode for h in report.heads[:2]] == [Mode.FP32_O, Mode.STANDARD]
@@ -177,7 +177,7 @@ def test_a_traced_gradient_reaches_its_own_forwards_sample():
             m(*_batch(seed=2))  # a second forward, never backpropagated
         loss.backward()
         reports.append(watcher.step())
-    assert len(w._states[0].traced_pending) == 0  # cleared by the report
+    assert len(w.layer_states[0].buf.traced_pending) == 0  # cleared by the report
     for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
         assert g[:2] == e[:2] and g[-1] == e[-1] == 8
         assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
@@ -202,11 +202,11 @@ def test_a_traced_step_holds_its_samples_one_micro_batch_and_x_not_at_all():
             x, y = _batch(seed=10 + seed)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 m(x, y)[1].backward()
-            assert [len(st.traced_pending) for st in watcher._states] == [0, 0]
-            assert [len(st.samples) for st in watcher._states] == [0, 0]  # reduced
-            assert all(st.x is None for st in watcher._states)
+            assert [len(st.buf.traced_pending) for st in watcher.layer_states] == [0, 0]
+            assert [len(st.buf.samples) for st in watcher.layer_states] == [0, 0]  # reduced
+            assert all(st.buf.x is None for st in watcher.layer_states)
         reports.append(watcher.step())
-    assert all(st.traced for st in w._states) and _stance() == "default"
+    assert all(st.compiled.traced for st in w.layer_states) and _stance() == "default"
     for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
         assert g[:2] == e[:2] and g[-1] == e[-1] == 4 * 8
         assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
@@ -228,7 +228,7 @@ def test_a_traced_gradient_without_its_call_is_said(caplog):
     with caplog.at_level("WARNING", logger="flashwatch"):
         loss.backward()
     assert "found no probed call to pair with" in caplog.text
-    assert all(st.samples == [] and st.grad_rows == 0 for st in w._states)
+    assert all(st.buf.samples == [] and st.buf.grad_rows == 0 for st in w.layer_states)
     w.remove()
 
 
@@ -241,7 +241,7 @@ def test_a_traced_monitored_step_runs_under_inductor_like_eager():
     compiled = torch.compile(model)
     for seed in range(3):
         got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
-    assert _stance() == "default" and all(st.traced for st in w._states)
+    assert _stance() == "default" and all(st.compiled.traced for st in w.layer_states)
     for g, e in zip(_measured(got), _measured(want), strict=True):  # step 2: traced
         assert g[:2] == e[:2] and g[2:] == pytest.approx(e[2:], rel=0.02, abs=0.02)
     assert all(math.isfinite(h.delta_error_sum) and h.delta_error_rows == 2 * 16  # B·T
@@ -380,7 +380,7 @@ def test_a_traced_layer_whose_q_input_is_not_seen_says_so(caplog):
     with caplog.at_level("WARNING", logger="flashwatch"):
         compiled(x).square().sum().backward()
         report = w.step()
-    assert _stance() == "default" and w._states[0].traced
+    assert _stance() == "default" and w.layer_states[0].compiled.traced
     assert "no F.linear call on the Q projection" in caplog.text
     assert all(math.isnan(h.delta_error_share) and math.isfinite(h.delta_error_sum)
                for h in report.heads)
@@ -396,7 +396,7 @@ def test_a_compiled_model_calling_flashwatch_attention_is_measured_and_mitigated
     x = torch.randn(2, 8, 32)
     compiled(x).square().sum().backward()
     report = w.step()
-    st = w._states[0]
+    st = w.layer_states[0]
     assert report.unmitigable == {}
     assert all(math.isfinite(h.tied_rowmax_ratio) for h in report.heads)
     # routed through the watcher: exact counts over every row (2 × 8 per head)
@@ -419,7 +419,7 @@ def test_a_compiled_layer_calling_flashwatch_attention_keeps_the_eager_path():
                  ).square().sum().backward()
         report = w.step()
         assert [h.delta_error_rows for h in report.heads] == [16, 16]
-    assert w._states[0].fw_seen and not w._states[0].traced
+    assert w.layer_states[0].compiled.fw_seen and not w.layer_states[0].compiled.traced
     w.remove()
 
 
@@ -534,7 +534,7 @@ def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
             assert g[2:] == pytest.approx(e[2:], rel=1e-5, abs=1e-10)
         assert _stance() == "default"  # the next step is unmonitored
     assert graph_runs == [0, 1, 0, 1, 0, 1]  # the graph survives the monitored steps
-    assert all(st.checkpointed and not st.traced for st in w._states)
+    assert all(st.compiled.checkpointed and not st.compiled.traced for st in w.layer_states)
     assert w.monitor_errors_total == 0
     w.remove()
     w_eager.remove()

@@ -306,7 +306,7 @@ def _compile_worker(rank, world, init_file, out_dir):
             loss.backward()
             reports.append(w.step())
         out[kind] = ([r.to_dict()["heads"] for r in reports if r is not None], stances,
-                     w.monitor_errors_total, [st.traced for st in w._states])
+                     w.monitor_errors_total, [st.compiled.traced for st in w.layer_states])
         w.remove()
         del model, run, w
     torch.save(out, os.path.join(out_dir, f"compile{rank}.pt"))

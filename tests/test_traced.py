@@ -40,12 +40,12 @@ def test_an_unknown_key_copies_and_passes_the_gradient_through():
 def test_the_registry_forgets_removed_and_collected_watchers():
     model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32))
     w = fw.watch(model)
-    keys = [st.key for st in w._states]
-    assert len(set(keys)) == 2 and all(traced._lookup(k)[0] is w for k in keys)
+    keys = [st.compiled.key for st in w.layer_states]
+    assert len(set(keys)) == 2 and all(traced._lookup(k)[0] is w._recorder for k in keys)
     w.remove()
     assert all(k not in traced._SITES for k in keys)
     w2 = fw.watch(model)  # the model's layers hold it: collected with the model
-    keys2 = [st.key for st in w2._states]
+    keys2 = [st.compiled.key for st in w2.layer_states]
     assert not set(keys2) & set(keys)  # keys are never reused
     del w, w2, model  # w (removed) still held the layers, hence w2
     gc.collect()

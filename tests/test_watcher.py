@@ -200,7 +200,7 @@ def test_samples_of_many_micro_batches_are_reduced_as_they_complete(route_all, m
         model = GPT(GPTConfig(**SMALL))
         w = fw.watch(model, rows_per_head=16, route_all=route_all)
         if not reduce_early:
-            monkeypatch.setattr(w, "_sample_done", lambda: None)
+            monkeypatch.setattr(w._recorder, "_sample_done", lambda: None)
         g = torch.Generator().manual_seed(4)
         held = []
         for _ in range(8):
@@ -208,7 +208,7 @@ def test_samples_of_many_micro_batches_are_reduced_as_they_complete(route_all, m
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, y)
             (loss / 8).backward()
-            held.append(sum(len(st.samples) for st in w._states))
+            held.append(sum(len(st.buf.samples) for st in w.layer_states))
         report = w.step()
         w.remove()
         return report, held
@@ -506,12 +506,12 @@ def test_a_layer_whose_routing_fails_is_unmitigable_and_its_policy_event_withdra
     model(x).backward()
     w.step()
     monkeypatch.setattr(fw_dispatch, "_dispatch", broken)
-    w._set_modes(w._states[0], torch.tensor([int(Mode.BETA), 0], dtype=torch.int32))
+    w._set_modes(w.layer_states[0], torch.tensor([int(Mode.BETA), 0], dtype=torch.int32))
     from flashwatch.report import Event  # as the policy would record it
     event = Event(step=1, layer="0", head=0, from_mode=Mode.STANDARD, to_mode=Mode.BETA,
                   reason="policy", applied=True)
-    w._events.append(event)
-    w._states[0].pending.append(event)
+    w._pipeline.events.append(event)
+    w.layer_states[0].pending.append(event)
     out = model(x)
     out.backward()
     assert torch.isfinite(out)
@@ -1015,7 +1015,8 @@ def _counts(w):
     """Rows counted so far in the step being accumulated, per layer: exact (routed
     kernel), probed and with a gradient. Reports show only ratios of these, in which a
     doubled count would hide, so they are read where they accumulate."""
-    return [(int(st.stats.rows[0]), st.probe_rows, st.grad_rows) for st in w._states]  # head 0
+    return [(int(st.buf.stats.rows[0]), st.buf.probe_rows, st.buf.grad_rows)  # head 0
+            for st in w.layer_states]
 
 
 @pytest.mark.parametrize("rows", [8, 4 * 32])
@@ -1067,7 +1068,7 @@ def test_modes_under_activation_checkpointing_run_and_their_events_stand(how):
     assert [r.unmitigable for r in reports] == [{}, {}] and w.monitor_errors_total == 0
     assert len(w.events) == SMALL["n_head"] and all(e.applied for e in w.events)
     assert [h.head_mode for h in reports[-1].heads if h.layer == layer] == [Mode.BETA] * 4
-    assert all(st.module_calls == 0 for st in w._states)  # reset by each report
+    assert all(st.module_calls == 0 for st in w.layer_states)  # reset by each report
 
 
 def test_hugging_face_gradient_checkpointing_counts_each_forward_once():

@@ -1,0 +1,30 @@
+"""The watcher's error ledger: a failure inside flashwatch is logged once (per place and
+exception type), counted in flashwatch_monitor_errors_total, and never raised into
+training; warnings are logged once per key."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("flashwatch")
+
+
+class ErrorLedger:
+    def __init__(self) -> None:
+        self.total = 0  # errors counted (flashwatch_monitor_errors_total)
+        self.seconds = 0.0  # time spent measuring since the last report
+        self._keys: set = set()
+
+    def error(self, where: str, exc: BaseException) -> None:
+        self.total += 1
+        key = (where, type(exc).__name__)
+        if key not in self._keys:
+            self._keys.add(key)
+            log.error("flashwatch: %s failed (%s: %s); training continues, the error is "
+                      "counted in flashwatch_monitor_errors_total and logged once",
+                      where, type(exc).__name__, exc, exc_info=exc)
+
+    def warn_once(self, key, message: str) -> None:
+        if key not in self._keys:
+            self._keys.add(key)
+            log.warning(message)
