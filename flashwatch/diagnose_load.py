@@ -96,15 +96,19 @@ def context_length(model: nn.Module) -> int | None:
 
 
 def load_tokens(data: str | Path, checkpoint: str | None = None,
-                model: nn.Module | None = None) -> torch.Tensor:
-    """Token ids (int64, 1-D stream or 2-D rows) from a DATA argument."""
+                model: nn.Module | None = None):
+    """Token ids from a DATA argument, a 1-D stream or 2-D rows: .bin and .npy stay
+    memory-mapped numpy arrays (OpenWebText's train.bin is 9 GB; only the drawn windows
+    are read), .pt and text become int64 tensors."""
     path = Path(data)
     if not path.is_file():
         raise FileNotFoundError(f"--data {str(data)!r} is not a file")
     if path.suffix == ".bin":
-        tokens = torch.from_numpy(np.memmap(path, dtype=np.uint16, mode="r").astype(np.int64))
+        tokens = np.memmap(path, dtype=np.uint16, mode="r")
     elif path.suffix == ".npy":
-        tokens = torch.from_numpy(np.load(path, mmap_mode="r").astype(np.int64))
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.dtype.kind not in "iu":
+            raise ValueError(f"{path} must hold integer token ids, got dtype {tokens.dtype}")
     elif path.suffix == ".pt":
         tokens = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(tokens, torch.Tensor) or tokens.dtype.is_floating_point:
@@ -113,7 +117,7 @@ def load_tokens(data: str | Path, checkpoint: str | None = None,
         tokens = tokens.long()
     else:
         tokens = _tokenize(path.read_text(encoding="utf-8"), checkpoint, model)
-    if tokens.dim() not in (1, 2) or tokens.numel() < 2:
+    if tokens.ndim not in (1, 2) or tokens.shape[-1] < 2:
         raise ValueError(f"{path}: token ids must be a 1-D stream or 2-D rows with at least 2 "
                          f"tokens, got shape {list(tokens.shape)}")
     return tokens
@@ -136,16 +140,16 @@ def _tokenize(text: str, checkpoint: str | None, model: nn.Module | None) -> tor
                      "is not bytes); pass token ids (.bin, .npy, .pt) as --data")
 
 
-def make_batches(tokens: torch.Tensor, n: int, batch_size: int, block: int,
+def make_batches(tokens, n: int, batch_size: int, block: int,
                  seed: int = 0) -> list[torch.Tensor]:
-    """n batches [batch_size, block + 1]: random windows of a stream (seeded, as nanoGPT's
-    get_batch draws them), or rows of 2-D data in order (cropped to block + 1)."""
-    if tokens.dim() == 2:
-        rows = tokens[:, :block + 1]
-        if len(rows) < n * batch_size:
-            raise ValueError(f"the data has {len(rows)} rows; {n} batches of {batch_size} "
+    """n int64 batches [batch_size, block + 1]: random windows of a stream (seeded, as
+    nanoGPT's get_batch draws them), or rows of 2-D data in order (cropped to block + 1)."""
+    if tokens.ndim == 2:
+        if len(tokens) < n * batch_size:
+            raise ValueError(f"the data has {len(tokens)} rows; {n} batches of {batch_size} "
                              "need more: lower --batches or --batch-size")
-        return [rows[i * batch_size:(i + 1) * batch_size] for i in range(n)]
+        return [_ids(tokens[i * batch_size:(i + 1) * batch_size, :block + 1])
+                for i in range(n)]
     if len(tokens) < block + 2:
         raise ValueError(f"the data has {len(tokens)} tokens, fewer than a window of "
                          f"{block + 1}; lower --block or give more data")
@@ -153,8 +157,13 @@ def make_batches(tokens: torch.Tensor, n: int, batch_size: int, block: int,
     out = []
     for _ in range(n):
         ix = torch.randint(len(tokens) - block - 1, (batch_size,), generator=gen)
-        out.append(torch.stack([tokens[i:i + block + 1] for i in ix.tolist()]))
+        out.append(torch.stack([_ids(tokens[i:i + block + 1]) for i in ix.tolist()]))
     return out
+
+
+def _ids(a) -> torch.Tensor:
+    return a.long() if isinstance(a, torch.Tensor) else torch.from_numpy(
+        np.array(a, dtype=np.int64))  # a copy: memmaps are read-only
 
 
 def describe(spec: str) -> str:

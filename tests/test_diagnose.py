@@ -279,7 +279,10 @@ def test_data_formats_give_the_same_tokens(tmp_path):
     torch.save(torch.from_numpy(ids.astype(np.int64)), tmp_path / "t.pt")
     want = torch.from_numpy(ids.astype(np.int64))
     for name in ("t.bin", "t.npy", "t.pt"):
-        assert torch.equal(load_tokens(tmp_path / name), want)
+        got = load_tokens(tmp_path / name)
+        assert torch.equal(torch.from_numpy(np.array(got, dtype=np.int64)), want)
+        assert torch.equal(make_batches(got, 2, 3, 16, seed=5)[1],
+                           make_batches(want, 2, 3, 16, seed=5)[1])
     (tmp_path / "t.txt").write_text("héllo")
     model = tiny_gpt(vocab_size=256)
     assert load_tokens(tmp_path / "t.txt", None, model).tolist() == list("héllo".encode())
