@@ -254,6 +254,8 @@ def overhead_modes(device: str, mode: str, dry: bool = False) -> dict:
     kw = {"eager": None, "compiled": {}, "reduce_overhead": {"mode": "reduce-overhead"}}[mode]
     if dry and kw is not None:
         kw = {"backend": "eager"}
+    if kw is not None:  # GPT's code objects keep the last check's compiled entries
+        torch._dynamo.reset()  # (recompile limit 8): start each mode clean
     steps, every = (4, 2) if dry else (20, 5)
     # warm-up: two monitored steps (the traced probe compiles at the second) and one more
     res = phases(GPTConfig(**size), device, kw, steps=steps, every=every,

@@ -26,6 +26,7 @@ FLASHWATCH_GPU_CHECK_FAIL / _KILL=<sub-check> make one sub-check raise / kill th
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -105,6 +106,9 @@ def run_stage(report: Report, stage: str, checks: list, budget_s: float, timeout
             entry = {"status": "error", "error": f"{type(e).__name__}: {e}"}
         finally:
             signal.alarm(0)
+            gc.collect()  # the last check's tensors go before the next allocates its own
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         entry["seconds"] = round(time.time() - t1, 2)
         st["checks"][name] = entry
         st["seconds"] = round(time.time() - t0, 2)
