@@ -185,3 +185,27 @@ def test_one_counter_at_a_time():
             SyncCounter().__enter__()
     with SyncCounter() as sc:  # the failed one left nothing behind
         assert sc.total == 0
+
+
+def test_plain_gpt_training_counts_none():
+    """No false positives on a whole training step: forward under bf16 autocast,
+    backward, gradient accumulation, AdamW (its state created while counting)."""
+    from examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=16))
+    opt = torch.optim.AdamW(model.parameters())
+    idx = torch.randint(0, 32, (2, 2, 17))
+    with SyncCounter(device=[model, idx]) as sc:
+        for _ in range(2):
+            for b in idx:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(b[:, :-1], b[:, 1:])[1]
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    assert sc.total == 0, sc.table()
+    assert sc.mismatches == []
+    assert all(sc.on_device(p) and sc.on_device(opt.state[p]["exp_avg"])
+               for p in model.parameters())
+    assert not sc.on_device(next(iter(opt.state.values()))["step"])
