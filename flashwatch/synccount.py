@@ -84,6 +84,8 @@ _FACTORIES = ("tensor", "as_tensor", "asarray")
 
 
 def _is_device(dev) -> bool:
+    if isinstance(dev, str):
+        dev = torch.device(dev)
     return isinstance(dev, torch.device) and dev == DEVICE
 
 
@@ -113,14 +115,14 @@ class SyncCounter:
         # storage -> True (device) / False (host); weak keys: a freed storage's address
         # is reused at once by the next temporary
         self._res = WeakIdKeyDictionary()
-        self._quiet = 0  # inside a transfer counted at the Python level
+        self._quiet = 0  # > 0: inside a transfer counted at the Python level or an opaque op
         self._modes = None
         self.mark(device)
 
     # -- placement ------------------------------------------------------------------
     def mark(self, *objs, device: bool = True) -> None:
-        """Mark modules (parameters, their .grad, buffers), optimizers (state but "step")
-        and tensors."""
+        """Mark modules (parameters, their .grad, buffers), optimizers (state but "step"),
+        tensors, and lists, tuples and dicts of them."""
         for obj in objs:
             if isinstance(obj, torch.Tensor):
                 self._set(obj, device)
@@ -130,8 +132,8 @@ class SyncCounter:
             elif isinstance(obj, torch.optim.Optimizer):
                 for state in obj.state.values():
                     self.mark(*[v for k, v in state.items() if k != "step"], device=device)
-            elif isinstance(obj, (list, tuple)):
-                self.mark(*obj, device=device)
+            elif isinstance(obj, (list, tuple, dict)):
+                self.mark(*(obj.values() if isinstance(obj, dict) else obj), device=device)
             elif obj is not None:
                 raise TypeError(f"device= takes modules, optimizers and tensors, got "
                                 f"{type(obj).__name__}; pass its tensors instead")

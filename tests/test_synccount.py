@@ -161,6 +161,15 @@ def test_bad_device_argument():
         SyncCounter(device=["cuda"])
 
 
+def test_mark_containers_and_device_strings():
+    a, b = torch.ones(2), torch.ones(2)
+    with SyncCounter(device={"x": a, "y": (b,)}) as sc:
+        assert sc.on_device(a) and sc.on_device(b)
+        torch.tensor([1.0], device="cpu:0")  # DEVICE spelled as a string
+        torch.tensor([1.0], device="cpu")
+    assert dict(sc.counts) == {"h2d": 1}
+
+
 def test_backward_hooks_are_counted():
     """The autograd engine runs hooks without the caller's torch-function modes: a
     gradient moved to the host in a hook must still count (the watcher does this)."""
