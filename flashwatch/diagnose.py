@@ -77,11 +77,13 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
     total = len(batches) if hasattr(batches, "__len__") else None
     with _prepared(model, found):
         for batch in batches:
+            def layer_done(done, n=n):  # the progress line, as each layer is measured
+                if progress:
+                    _progress(name, n + done / len(found), total, start)
             one_batch(model, found, sums, _to(batch, device), loss_fn, dtype, device,
-                      dict(eps=eps, scores_dtype=scores_dtype, reference=reference))
+                      dict(eps=eps, scores_dtype=scores_dtype, reference=reference,
+                           on_layer=layer_done))
             n += 1
-            if progress:
-                _progress(name, n, total, start)
     if progress:
         print(file=sys.stderr)
     if n == 0:
@@ -234,9 +236,10 @@ def _to(batch, device):
     return batch
 
 
-def _progress(name: str, n: int, total: int | None, start: float) -> None:
+def _progress(name: str, batches: float, total: int | None, start: float) -> None:
+    """One stderr line, rewritten in place: batches done (fractions: layers measured)."""
     of = f"/{total}" if total else ""
-    print(f"\rdiagnose {name}: batch {n}{of}, {time.perf_counter() - start:.1f} s",
+    print(f"\rdiagnose {name}: batch {batches:.2f}{of}, {time.perf_counter() - start:.1f} s",
           end="", file=sys.stderr, flush=True)
 
 

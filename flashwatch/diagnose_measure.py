@@ -58,8 +58,10 @@ class Capture(TorchFunctionMode):
     holds site i's LayerBatch once the backward has run. `close()` removes the hooks."""
 
     def __init__(self, sites: list[AttentionSite], *, eps: float, scores_dtype=None,
-                 reference=None):
+                 reference=None, on_layer=None):
         super().__init__()
+        self.on_layer = on_layer  # called with the number of calls measured so far
+        self.measured = 0
         self.sites, self.eps, self.scores_dtype, self.reference = sites, eps, scores_dtype, \
             reference
         self.layers = [LayerBatch(s) for s in sites]
@@ -138,6 +140,9 @@ class Capture(TorchFunctionMode):
                 self.pending -= 1
                 measure_call(self.layers[i], site, held, do, self.eps, self.scores_dtype,
                              self.reference)
+                self.measured += 1
+                if self.on_layer is not None:
+                    self.on_layer(self.measured)
         o.register_hook(on_grad)
         return o
 

@@ -325,8 +325,10 @@ def test_cli_nanogpt_checkpoints_growth(tmp_path, capsys):
     md = (out / "report.md").read_text()
     assert "grew 3.00× the median head" in md
     assert "| a.pt | " in md and "| b.pt | " in md  # the per-checkpoint table
-    printed = capsys.readouterr().out.splitlines()
+    cap = capsys.readouterr()
+    printed = cap.out.splitlines()
     assert printed[0].startswith("a.pt: ") and printed[1].startswith("b.pt: ")
+    assert "diagnose b.pt: batch 1.50/2" in cap.err  # progress: one layer of two measured
 
 
 def test_cli_hugging_face_directory(tmp_path, capsys):
