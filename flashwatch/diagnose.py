@@ -172,8 +172,10 @@ class Sums:
 def default_loss(model: nn.Module, batch) -> torch.Tensor:
     """Next-token cross-entropy of a causal LM on one batch (see `diagnose`)."""
     x, y = split_batch(batch)
-    if "input_ids" in inspect.signature(model.forward).parameters:  # Hugging Face
-        logits = model(input_ids=x).logits
+    params = inspect.signature(model.forward).parameters
+    if "input_ids" in params:  # Hugging Face; no KV cache: nothing generates here
+        logits = model(input_ids=x, **({"use_cache": False} if "use_cache" in params
+                                       else {})).logits
     else:
         out = model(x, y)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) \
