@@ -28,8 +28,9 @@ SUM_FIELDS = ("tied", "rows", "delta_sum", "grad_rows", "delta_sq", "delta_rows"
 # Maxed over ranks (a rank that has no value contributes -inf). wq_spectral_norm is the
 # same on every rank that computed it (replicated or sharded-and-reduced weights); the max
 # makes it the same on every rank even where one rank failed to compute it. sampled and
-# averaged are 0/1 flags: "any rank".
-MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged")
+# averaged are 0/1 flags: "any rank"; so is refused (the layer's W^Q slice failed
+# layouts.QCheck: its norm and share are not the layer's).
+MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "refused")
 
 
 def shapes(n_heads: int, k: int) -> dict[str, tuple]:
@@ -59,6 +60,7 @@ class LayerBuffers:
     share_rows: int
     sampled: bool
     averaged: bool
+    refused: bool = False  # its W^Q slice failed layouts.QCheck
 
 
 def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
@@ -83,7 +85,8 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
                delta_rows=per_head(lambda b: b.delta_rows),
                delta_missed=per_head(lambda b: b.delta_missed),
                share_rows=per_head(lambda b: b.share_rows),
-               sampled=per_head(lambda b: b.sampled), averaged=per_head(lambda b: b.averaged))
+               sampled=per_head(lambda b: b.sampled), averaged=per_head(lambda b: b.averaged),
+               refused=per_head(lambda b: b.refused))
     return raw
 
 
@@ -124,7 +127,7 @@ def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         share_rows=raw["share_rows"], wq_grad_sq=raw["wq_grad_sq"], guarded=raw["guarded"],
         G=raw["probe_G"], max_logit=torch.maximum(raw["kernel_max"], raw["probe_row_max"]),
         wq_spectral_norm=torch.where(torch.isnan(raw["sigma"]), -math.inf, raw["sigma"]),
-        sampled=raw["sampled"], averaged=raw["averaged"])
+        sampled=raw["sampled"], averaged=raw["averaged"], refused=raw["refused"])
 
 
 @dataclass
@@ -144,6 +147,7 @@ class HeadArrays:
     wq_grad_sq: np.ndarray
     guarded: np.ndarray
     sigma: np.ndarray
+    refused: np.ndarray  # bool: the layer's W^Q slice failed the check on some rank
 
 
 def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
@@ -168,7 +172,9 @@ def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
         # scale, its dO being W times that: ÷W².
         share_num = np.where(averaged, s["share_num"] / (W * W), s["share_num"])
         share = np.sqrt(share_num / s["wq_grad_sq"])
-        share = np.where((s["share_rows"] == 0) | ~(s["wq_grad_sq"] > 0), np.nan, share)
+        refused = m["refused"] > 0
+        share = np.where((s["share_rows"] == 0) | ~(s["wq_grad_sq"] > 0) | refused, np.nan,
+                         share)
         return HeadArrays(
             tie_ratio=np.where(s["rows"] == 0, np.nan, s["tied"] / np.maximum(s["rows"], 1.0)),
             max_logit=np.where(np.isneginf(m["max_logit"]), np.nan, m["max_logit"]),
@@ -177,5 +183,5 @@ def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
             delta_rows=s["delta_rows"], delta_missed=s["delta_missed"],
             G=np.where(no_grad[:, None, None], np.nan, G), share=share,
             wq_grad_sq=s["wq_grad_sq"], guarded=s["guarded"],
-            sigma=np.where(np.isneginf(m["wq_spectral_norm"]), np.nan,
-                           m["wq_spectral_norm"]))
+            sigma=np.where(np.isneginf(m["wq_spectral_norm"]) | refused, np.nan,
+                           m["wq_spectral_norm"]), refused=refused)

@@ -75,7 +75,9 @@ def watched_class(base: type) -> type:
         def forward(module, *args, **kwargs):
             link = module.__dict__.get(LINK)
             rec = None if link is None else link.recorder
-            if rec is not None and rec.active(link.st):
+            # Recorder.active(), inlined: this runs on every forward of every step
+            if rec is not None and not rec.cadence.removed and (
+                    link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
                 if link.st.compiled.traced and torch.compiler.is_compiling():
                     return _traced.run(link.st, module, original, args, kwargs)
                 return rec.attachment.run(link.st, module, original, args, kwargs)
@@ -210,8 +212,11 @@ class Attachment:
         """The watched module's forward on measured or routed steps: mark it current for
         its attention calls, run it, unmark it."""
         rec = self.recorder
-        if st.routed and not recomputing():
-            st.module_calls += 1
+        if not recomputing():
+            if st.routed:
+                st.module_calls += 1
+            if rec.cadence.measuring:
+                st.buf.forwards += 1
         frame = [st, None, False]
         frames = self.frames()
         frames.append(frame)
@@ -248,6 +253,9 @@ class Attachment:
                 self._step_handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
                 self._hook_wq_grad(st)
+                qc = st.q_check  # a hook on the layer's q norm, if it has one
+                if qc is not None and not qc.done and not qc.failed:
+                    self._step_handles += qc.arm()
 
     def disarm(self) -> None:
         for h in self._step_handles:

@@ -100,47 +100,76 @@ class Recorder:
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
-        route = st.routed
+        if q.dim() == 4 and q.shape[1] != st.site.num_heads:
+            # e.g. a KV-cached decode step of a grouped-query model that folds its query
+            # heads into the length axis ([B, H_kv, n_rep, D]): not the layer's heads, so
+            # neither its modes nor its head arrays apply. Skipped, never misattributed.
+            self.warn_once(st, "heads", f"flashwatch: {st.site.name}: an attention call "
+                           f"with {q.shape[1]} heads, not the layer's {st.site.num_heads} "
+                           f"(a decode step folding query heads?); such calls run as they "
+                           f"are and are not measured")
+            return func(*args, **kwargs)
         out, routed = None, False
-        if route:
-            reason = None
-            if mask is not None:
-                reason = "it passes attn_mask"
-            elif dropout and torch.is_grad_enabled():
-                reason = f"it uses attention dropout ({dropout})"
-            elif q.dim() != 4:
-                reason = f"its q has {q.dim()} dims"
-            if reason is None:
-                try:
-                    out = self._routed(st, q, k, v, causal, scale, None)
-                    routed = True
-                except Exception as e:
-                    self.ledger.error(f"routing {st.site.name}", e)
-                    self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
-            else:
-                self._fallback(st, reason)
-                self.warn_once(st, "unmitigable",
-                                f"flashwatch: cannot apply head modes to {st.site.name} "
-                                f"because {reason}; it stays on the original kernel and "
-                                f"is still measured")
+        if st.routed:
+            out = self._route_sdpa(st, q, k, v, mask, dropout, causal, scale)
+            routed = out is not None
         if out is None:
             out = func(*args, **kwargs)
         if self.cadence.measuring:
             st.compiled.sdpa_seen = True
+            st.buf.calls += 1
+            self._check_q(st, a["query"])
             dropped = bool(dropout) and torch.is_grad_enabled()  # never routed (above)
             if dropped:  # the kernel's O is dropped out; the FP32 recomputation is not
                 st.compiled.dropout_seen = True
                 self.warn_once(st, "dropout", f"flashwatch: {st.site.name} uses attention "
-                                f"dropout ({dropout}): its δ error is not measured (O_used "
-                                f"is dropped out, the FP32 recomputation is not); ties and "
-                                f"max logit still are")
+                               f"dropout ({dropout}): its δ error is not measured (O_used "
+                               f"is dropped out, the FP32 recomputation is not); ties and "
+                               f"max logit still are")
             self._safe_probe(st, q, k, v, out, causal, scale, mask, routed, grad=not dropped)
         return out
+
+    def _route_sdpa(self, st, q, k, v, mask, dropout, causal, scale):
+        """The call through flashwatch's kernel with the layer's modes, or None (it
+        then runs the original kernel, counted as a fallback when modes are set)."""
+        reason = None
+        if mask is not None:
+            reason = "it passes attn_mask"
+        elif dropout and torch.is_grad_enabled():
+            reason = f"it uses attention dropout ({dropout})"
+        elif q.dim() != 4:
+            reason = f"its q has {q.dim()} dims"
+        if reason is not None:
+            self._fallback(st, reason)
+            self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
+                           f"{st.site.name} because {reason}; it stays on the original "
+                           f"kernel and is still measured")
+            return None
+        try:
+            return self._routed(st, q, k, v, causal, scale, None)
+        except Exception as e:
+            self.ledger.error(f"routing {st.site.name}", e)
+            self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
+            return None
+
+    def _check_q(self, st: LayerState, q) -> None:
+        """The layer's W^Q slice against the q its SDPA call received, once
+        (flashwatch/layouts.py QCheck): a wrong slice is refused by name."""
+        qc = st.q_check
+        if qc is None or qc.done or qc.failed or recomputing():
+            return
+        try:
+            qc(st.buf.x, q)  # True: checked; False: try the next call
+        except RuntimeError as e:  # names the layer, the layout and the fix
+            self.ledger.error(f"W^Q layout {st.site.name}", e)
+            st.wq_refused = str(e)
 
     def interceptor(self, st: LayerState):
         def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0,
                       eps=1e-3, stats=None, backend="auto"):
             st.compiled.fw_seen = True  # its compiled steps stay on the eager path (traced.py)
+            if self.cadence.measuring:
+                st.buf.calls += 1
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats)

@@ -202,12 +202,14 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
     so that the cross-rank SUM of the watcher's reduction gives the averaged gradient's
     norm without a gather; any other layout is gathered and counted on rank 0 only."""
-    a, b = site.q_slice_of_output
+    from flashwatch.sites import q_rows
+
     H, D = site.num_heads, site.head_dim
     if not is_dtensor(grad):
-        g = grad.detach()[a:b].float().reshape(H, D, -1)
+        g = q_rows(site, grad.detach()).float().reshape(H, D, -1)
         return g.square().sum((1, 2)).double(), False
-    found = _dim0_rows(grad, a, b, D)
+    found = (None if site.q_slice_of_output is None
+             else _dim0_rows(grad, *site.q_slice_of_output, D))
     if found is not None:
         rows, head, _ = found
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)
@@ -216,7 +218,7 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     full = grad.full_tensor().detach()  # every rank holds it: count it once
     out = torch.zeros(H, dtype=torch.float64, device=full.device)
     if torch.distributed.get_rank() == 0:
-        out = full[a:b].double().reshape(H, D, -1).square().sum((1, 2))
+        out = q_rows(site, full).double().reshape(H, D, -1).square().sum((1, 2))
     return out, True
 
 

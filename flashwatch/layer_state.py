@@ -55,6 +55,8 @@ class StepBuffers:
     # (sample, None, rows) of the step's traced calls by call id, until their gradient
     traced_pending: dict = field(default_factory=dict)
     x: torch.Tensor | None = None  # input of the Q projection during the current call
+    forwards: int = 0  # measured eager forwards of the module (flashwatch/attach.py)
+    calls: int = 0  # attention calls of ours seen in them (SDPA or flashwatch.attention)
 
     @classmethod
     def fresh(cls, num_heads: int, device) -> StepBuffers:
@@ -91,7 +93,6 @@ class LayerState:
     omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
     heads: torch.Tensor  # [H] int64: offset + arange(H), for probe.totals
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
-    warned: set = field(default_factory=set)
     unmitigable: str | None = None  # why its modes could not be applied, last known
     shadowed: bool = False  # an instance attribute `forward` hides the wrapper
     routed: bool = False  # route_all or a non-STANDARD head: its calls go to our kernel
@@ -103,6 +104,10 @@ class LayerState:
     fallback_calls: int = 0
     pending: list = field(default_factory=list)  # applied mode events not yet seen run
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
+    q_check: object = None  # layouts.QCheck of its W^Q slice, until it passed or failed
+    wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
+    stopped_clip: bool = False  # QK-clip was told to stop for it (wq_refused)
+    silent_reported: bool = False  # "no attention call seen" was reported
     device_cache: dict = field(default_factory=dict)  # device -> (Ω_x, Ω_a, Ω_q, heads)
     buf: StepBuffers | None = None
     compiled: CompileFacts = field(default_factory=CompileFacts)

@@ -94,6 +94,14 @@ class StepPipeline:
         events withdrawn for it (local facts: each rank reports its own)."""
         not_applied, withdrawn = {}, []
         for st in self.states:
+            if st.buf.forwards and not st.buf.calls and not st.silent_reported:
+                st.silent_reported = True  # logged and counted once
+                self.ledger.error(f"attention of {st.site.name}", RuntimeError(
+                    f"{st.site.name} ran {st.buf.forwards} forward(s) in a monitored step "
+                    f"without an attention call flashwatch sees (F.scaled_dot_product_"
+                    f"attention or flashwatch.attention): its ties, max logit and δ error "
+                    f"are NaN and QK-clip cannot act there; make it call SDPA (Hugging "
+                    f"Face: attn_implementation='sdpa') or leave it out of `sites`"))
             reason = self._not_applied(st)
             if reason is not None:  # say so, never claim the modes applied
                 not_applied[st.site.name] = reason
@@ -121,7 +129,8 @@ class StepPipeline:
             guarded_rows=st.buf.stats.guarded_rows, max_logit=st.buf.stats.max_logit,
             wq_grad_sq=st.buf.wq_grad_sq, probe_rows=st.buf.probe_rows, grad_rows=st.buf.grad_rows,
             delta_rows=st.buf.delta_rows, delta_missed=st.buf.delta_missed,
-            share_rows=st.buf.share_rows, sampled=st.buf.sampled, averaged=st.buf.wq_grad_averaged)
+            share_rows=st.buf.share_rows, sampled=st.buf.sampled,
+            averaged=st.buf.wq_grad_averaged, refused=st.wq_refused is not None)
             for st in self.states]
         return layers, tot
 
@@ -309,8 +318,7 @@ class StepPipeline:
         self.unreported = []
         report = StepReport(step=step, heads=records, events=events,
                             unmitigable=not_applied, qk_clips_total=self.qk_clip.total)
-        if hasattr(report, "confirmed"):  # mode events seen run (counters count these)
-            report.confirmed = self.confirmed
+        report.confirmed = self.confirmed  # events seen run: counters count these
         self.confirmed = []
         return report
 
@@ -360,10 +368,20 @@ class StepPipeline:
         if max_logit is None:
             return []
         modes = torch.cat([st.modes for st in self.states]).long()
-        try:
+        stops = []
+        for st in self.states:  # a W^Q slice refused on any rank: stop clipping there
+            h = slice(st.offset, st.offset + st.site.num_heads)
+            if not st.stopped_clip and bool(a.refused[h].all()):
+                st.stopped_clip = True
+                stops += self.qk_clip.stop_layer(step, st.site.name, st.wq_refused or
+                                                 "its W^Q slice failed the check on a rank")
+        try:  # clips of the last step count once this measurement shows them
+            confirmed, failed = self.qk_clip.confirm(max_logit, step)
             clips = self.qk_clip.apply(step, max_logit, modes)
         except Exception as e:
             self.ledger.error("qk_clip", e)
-            return []
+            return stops
+        self.confirmed += confirmed
+        clips = stops + confirmed + failed + clips
         self.events.extend(clips)
         return clips

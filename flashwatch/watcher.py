@@ -33,6 +33,7 @@ from flashwatch.capture import Cadence, Recorder
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
 from flashwatch.layer_state import LayerState
+from flashwatch.layouts import QCheck
 from flashwatch.ledger import ErrorLedger
 from flashwatch.monitored_step import StepPipeline
 from flashwatch.report import StepReport
@@ -55,6 +56,8 @@ def _layer_states(sites, sketch_dim: int, seed: int) -> list[LayerState]:
                         omega_a=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
                         omega_q=torch.randn(site.head_dim, k, generator=g) / math.sqrt(k),
                         heads=torch.arange(offset, offset + site.num_heads))
+        if site.q_module is not None:  # checks its W^Q slice on its first measured call
+            st.q_check = QCheck(site)
         st.reset()
         out.append(st)
         offset += site.num_heads

@@ -259,8 +259,6 @@ def _wq_grad_fixed() -> bool:
     return torch.allclose(got, q_rows(site, grad).double().view(4, 8, 32).square().sum((1, 2)))
 
 
-@pytest.mark.xfail(strict=True, reason="flashwatch/distributed.py wq_grad_sq slices "
-                   "q_slice_of_output (None for interleaved layouts); fix: sites.q_rows")
 def test_interleaved_layouts_count_no_error():
     assert _wq_grad_fixed()
 

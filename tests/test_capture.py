@@ -1,0 +1,108 @@
+"""flashwatch/capture.py: what a watched layer's calls record, on the models people
+train: KV-cached generation inside a monitored step, layers without an attention call
+flashwatch sees, and counters that count only what ran."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flashwatch as fw
+from flashwatch.kernels.common import Mode
+
+
+class Attention(nn.Module):
+    """nanoGPT-style, C = 32, 2 heads; `kind` picks how it attends."""
+
+    def __init__(self, kind="sdpa"):
+        super().__init__()
+        self.c_attn = nn.Linear(32, 96)
+        self.n_head = 2
+        self.kind = kind
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        if self.kind == "softmax":  # hand-written: no SDPA call
+            p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
+            return (p @ v).sum()
+        mask = torch.ones(T, T, dtype=torch.bool).tril() if self.kind == "mask" else None
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=mask is None).sum()
+
+
+class Two(nn.Module):
+    """Two attention layers named "0" and "1", each on the same input."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        self.layers = nn.ModuleDict({"0": a, "1": b})
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers.values())
+
+
+def test_generation_inside_a_monitored_step_loses_no_numbers():
+    """A padded batch through generate() on a grouped-query model (an eval callback, RL
+    fine-tuning): its decode steps fold query heads into SDPA's length axis. Such calls
+    are skipped; the training step's numbers survive (before: the whole report lost to
+    an index_add_ size error)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    w = fw.watch(model, every_n_steps=1)
+    x = torch.randint(1, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(x, labels=x).loss.backward()
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        model.generate(x, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    report = w.step()
+    assert w.monitor_errors_total == 0
+    assert len(report.heads) == 8
+    assert all(math.isfinite(h.attention_max_logit) and h.delta_error_rows > 0
+               for h in report.heads)
+    w.remove()
+
+
+def test_a_layer_without_a_visible_attention_call_is_said_once_and_counted(caplog):
+    model = Two(Attention("softmax"), Attention("sdpa"))
+    w = fw.watch(model, every_n_steps=1)
+    x = torch.randn(2, 8, 32)
+    with caplog.at_level(logging.ERROR, logger="flashwatch"):
+        for _ in range(3):
+            model(x)
+            report = w.step()
+    said = [r for r in caplog.records if "without an attention call" in r.getMessage()]
+    assert len(said) == 1 and "layers.0 ran 1 forward(s)" in said[0].getMessage()
+    assert w.monitor_errors_total == 1
+    silent = [h for h in report.heads if h.layer == "layers.0"]
+    assert all(math.isnan(h.attention_max_logit) for h in silent)
+    assert all(math.isfinite(h.attention_max_logit) for h in report.heads if h.layer == "layers.1")
+    w.remove()
+
+
+def test_confirmed_holds_a_mode_once_it_ran_and_never_one_that_could_not():
+    """report.confirmed (what counters count): a hand-set FP32_O on a layer whose SDPA
+    call passes attn_mask cannot run and is never confirmed; on a routable layer it is
+    confirmed exactly once, at the first report that saw it run."""
+    model = Two(Attention("mask"), Attention("sdpa"))
+    w = fw.watch(model, every_n_steps=1)
+    x = torch.randn(2, 8, 32)
+    for layer in ("layers.0", "layers.1"):
+        w.set_head_modes(layer, [Mode.FP32_O, Mode.STANDARD])
+    confirmed = []
+    for _ in range(3):
+        model(x).backward()
+        confirmed.append([(e.layer, e.head, e.to_mode) for e in w.step().confirmed])
+    assert confirmed == [[("layers.1", 0, Mode.FP32_O)], [], []]
+    w.remove()
