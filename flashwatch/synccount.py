@@ -21,10 +21,11 @@ host (what `torch.zeros(3)` makes on a CUDA machine too).
     `t.device != q.device` behave as on CUDA: factories given DEVICE make device tensors.
   - flashwatch/smallops.py takes torch's path while counting (NUMPY_CPU off): its numpy
     path exists for CPU tensors only and would read device tensors as numpy.
-  - ops outside aten (flashwatch's torch.library attention ops) are opaque: on CUDA the
-    Triton launcher (host code reading `modes` on the host, then kernel launches); the
-    CPU reference that stands in for it here is not what CUDA runs, so nothing inside
-    is counted.
+  - ops outside aten are opaque, outputs placed with their inputs: flashwatch's
+    torch.library attention ops (on CUDA the Triton launcher: host code reading `modes`
+    on the host, then kernel launches; the CPU reference standing in for it here is not
+    what CUDA runs, so nothing inside counts) and c10d collectives (NCCL queues them on
+    the stream; a collective on host tensors is the caller's to count).
 
 Rules: one count each, kind in brackets, only where the tensor read is a device tensor.
   [d2h]      .cpu(), .to(host), .numpy(), .tolist(), np.asarray(t), copy_ into a host
