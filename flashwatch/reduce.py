@@ -47,7 +47,7 @@ import torch
 
 log = logging.getLogger("flashwatch")
 
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # WatchConfig.collective_timeout_s's default
 
 
 def _dist():

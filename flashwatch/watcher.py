@@ -87,8 +87,7 @@ class Watcher:
         self._recorder = Recorder(self, cfg, self._states, self._cadence, self._ledger)
         # The monitor's own process group, created here on every rank (a collective):
         # nothing of ours can pair with a training collective (flashwatch/reduce.py).
-        monitor = reduce.MonitorGroup(getattr(cfg, "collective_timeout_s",
-                                              reduce.DEFAULT_TIMEOUT_S))
+        monitor = reduce.MonitorGroup(cfg.collective_timeout_s)
         monitor.check_same(heads=sum(s.num_heads for s in self.sites), layers=len(self.sites),
                            sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
         self._pipeline = StepPipeline(cfg, self._states, self._recorder, self._ledger,

@@ -61,3 +61,10 @@ def test_from_kwargs_over_a_base_config_and_the_closest_name():
         WatchConfig.from_kwargs({"window": 8})
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['zz'\]; valid"):  # no hint
         WatchConfig.from_kwargs(zz=1)
+
+
+def test_collective_timeout_must_be_a_positive_number_of_seconds():
+    assert WatchConfig(collective_timeout_s=30).collective_timeout_s == 30
+    for bad in (0, -1.0, float("nan"), "60"):
+        with pytest.raises((ValueError, TypeError), match="collective_timeout_s"):
+            WatchConfig(collective_timeout_s=bad)
