@@ -37,7 +37,8 @@ Rules: one count each, kind in brackets, only where the tensor read is a device 
              index tensors given to a device index/index_put (advanced indexing copies
              them over): cudaMemcpyAsync then a stream synchronise. non_blocking=True is
              not counted (from pageable memory CUDA stages the copy without waiting).
-  [item]     aten._local_scalar_dense: .item(), bool(t), int(t), float(t).
+  [item]     aten._local_scalar_dense: .item(), bool(t), int(t), float(t); and each
+             device tensor in the list given to torch.tensor/as_tensor.
   [nonzero]  nonzero, argwhere, torch.where(cond): the output's size is the data's.
   [bool_mask] index with a bool mask (x[mask]), index_put with a bool mask and a
              value of more than one element (a one-element host value takes CUDA's
@@ -354,12 +355,16 @@ class _Patches:
 
         @functools.wraps(orig)
         def wrapper(*args, **kwargs):
-            c._quiet += 1
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if src is None and args:  # a list of device scalars: one .item() each
+                for t in _tensors(args[0]):  # (read in C++, unseen by the dispatch)
+                    if c.on_device(t):
+                        c._count("item", f"torch.{name}")
+            c._quiet += 1  # a tensor is copied whole: counted below, not as its aten copy
             try:
                 out = orig(*args, **kwargs)
             finally:
                 c._quiet -= 1
-            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
             src_dev = src is not None and c.on_device(src)
             dev = kwargs.get("device")
             dst_dev = src_dev if dev is None else _is_device(dev)

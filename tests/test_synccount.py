@@ -39,6 +39,8 @@ ONE_SYNC = {  # name: (kind, snippet over (x, m, h))
     "h2d_to_tensor": ("h2d", lambda x, m, h: h.to(x)),
     "h2d_copy": ("h2d", lambda x, m, h: x[:, 0].copy_(h)),
     "h2d_tensor": ("h2d", lambda x, m, h: torch.tensor([1.0, 2.0], device=x.device)),
+    "h2d_as_tensor": ("h2d", lambda x, m, h: torch.as_tensor(h, device=x.device)),
+    "tensor_of_scalar": ("item", lambda x, m, h: torch.tensor([x[0, 0]])),
     "h2d_index": ("h2d", lambda x, m, h: x[h[:2]]),
     "nonzero": ("nonzero", lambda x, m, h: m.nonzero()),
     "where": ("nonzero", lambda x, m, h: torch.where(m)),
