@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+from flashwatch._checks import log_once
+
 log = logging.getLogger("flashwatch")
 
 
@@ -17,14 +19,10 @@ class ErrorLedger:
 
     def error(self, where: str, exc: BaseException) -> None:
         self.total += 1
-        key = (where, type(exc).__name__)
-        if key not in self._keys:
-            self._keys.add(key)
-            log.error("flashwatch: %s failed (%s: %s); training continues, the error is "
-                      "counted in flashwatch_monitor_errors_total and logged once",
-                      where, type(exc).__name__, exc, exc_info=exc)
+        log_once(log, self._keys, (where, type(exc).__name__),
+                 "flashwatch: %s failed (%s: %s); training continues, the error is counted "
+                 "in flashwatch_monitor_errors_total and logged once",
+                 where, type(exc).__name__, exc, level=logging.ERROR, exc_info=exc)
 
     def warn_once(self, key, message: str) -> None:
-        if key not in self._keys:
-            self._keys.add(key)
-            log.warning(message)
+        log_once(log, self._keys, key, "%s", message)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashwatch._checks import check_int
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
 from flashwatch.report import Event
@@ -144,8 +145,7 @@ class Policy:
         offline replays of old logs). share [n]: delta_error_share (None: not measured,
         rule (a) stays off)."""
         cfg, n = self.config, self.n_heads
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise TypeError(f"step must be the int optimizer step, got {step!r}")
+        check_int("step", step, hint="the optimizer step")
         # numpy on [n] arrays: ≈ 1 µs an op against ≈ 5 µs for torch's on the CPU.
         tie = self._vec("tie_ratio", tie_ratio)
         z = self._vec("values.delta_drift_z", values.delta_drift_z)

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flashwatch._checks import check_int
 from flashwatch.spectral import psd_power
 
 F64 = torch.float64
@@ -117,14 +118,6 @@ def _top_pair(C: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return cv / np.maximum(s1, 1e-300)[:, None], v, s1
 
 
-def _check_positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be ≥ {minimum}, got {value}")
-    return value
-
-
 class HeadSignals:
     """Online δ-error signals for `n_heads` heads with k×k sketches and a sliding window."""
 
@@ -132,9 +125,9 @@ class HeadSignals:
                 "csum_ring", "csq_ring", "share_ring", "share_w_ring", "pos", "fill")
 
     def __init__(self, n_heads: int, sketch_dim: int, window: int) -> None:
-        self.n_heads = _check_positive_int("n_heads", n_heads)
-        self.sketch_dim = _check_positive_int("sketch_dim", sketch_dim)
-        self.window = _check_positive_int("window", window, minimum=2)
+        self.n_heads = check_int("n_heads", n_heads, min=1)
+        self.sketch_dim = check_int("sketch_dim", sketch_dim, min=1)
+        self.window = check_int("window", window, min=2)
         n, k, w = n_heads, sketch_dim, window
         self.C = torch.zeros(n, k, k, dtype=F64)  # Σ of all past G (never reset)
         self.kappa_cum = torch.zeros(n, dtype=F64)  # Σ κ over all steps (never reset)

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from flashwatch import smallops
+from flashwatch._checks import check_int
 
 COLD_START_MAX_ITERS = 500  # cold-start cap; 64×768 Gaussian (no gap): 1.7e-4 rel. error
 # A warm start runs `iters` iterations, then goes on until σ settles (at most this many):
@@ -133,11 +134,8 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
     returns the seeded start vector for that head, so a later call can recover.
     """
     _check_w(W)
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"iters must be a positive int, got {iters!r}")
-    if isinstance(max_iters, bool) or not isinstance(max_iters, int) or max_iters < 1:
-        raise ValueError(f"max_iters must be a positive int, got {max_iters!r} (e.g. "
-                         f"{WARM_MAX_ITERS})")
+    check_int("iters", iters, min=1)
+    check_int("max_iters", max_iters, min=1, hint=f"e.g. {WARM_MAX_ITERS}")
     if (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
             or tol <= 0):
         raise ValueError(f"tol must be a finite number > 0, got {tol!r} (e.g. 1e-7)")
