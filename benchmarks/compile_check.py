@@ -5,14 +5,16 @@ CPU-only machine, and measures registers and spills per autotune config with ptx
 
   python benchmarks/compile_check.py [--arch 90]            one config per kernel and D
   python benchmarks/compile_check.py --spills [--dtypes bf16 fp16]
-      every candidate config of kernels/triton_tuning.py (forward with STATS on, the
-      heavier variant; causal and not), a table of registers / spill bytes; exits 1 if a
-      config inside the tuned space (FWD_SPACE, BWD_SPACE) spills.
+      every candidate config of kernels/triton_tuning.py (forward with STATS on and off:
+      ptxas allocates them differently), a table of registers / spill bytes; exits 1 if a
+      config inside the tuned space (FWD_SPACE, BWD_SPACE) spills. --space: only those.
+      --causal 1: only the causal variant (a superset of the non-causal code).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import subprocess
@@ -90,13 +92,14 @@ def quick_jobs(dtypes):
 
 
 def spill_jobs(dtypes, causals):
-    """Every candidate config of the forward (STATS on) and the backward."""
+    """Every candidate config of the forward (STATS on and off) and the backward."""
     jobs = []
     for dt in dtypes:
         for d in (64, 128):
             for causal in map(bool, causals):
-                for bm, bn, w, s in tuning.FWD_CANDIDATES:
-                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=True,
+                for (bm, bn, w, s), stats in itertools.product(tuning.FWD_CANDIDATES,
+                                                                (True, False)):
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=stats,
                              INTERPRET=False)
                     jobs.append((ta._fwd_kernel, dt, c, w, s))
                 for bm, bn, w, s in tuning.BWD_CANDIDATES:
@@ -118,12 +121,16 @@ def main() -> int:
     ap.add_argument("--spills", action="store_true", help="every candidate config, with "
                     "registers and spills; fail if a config in the tuned space spills")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
+    ap.add_argument("--space", action="store_true", help="--spills: only the configs "
+                    "inside the tuned space")
     ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1],
                     help="--spills: 1 alone measures the causal variant (a superset of the "
                     "non-causal code: one more compare in the masked loops)")
     args = ap.parse_args()
     jobs = (spill_jobs(args.dtypes, args.causal) if args.spills
             else quick_jobs(args.dtypes))
+    if args.space:
+        jobs = [j for j in jobs if in_space(j[0], j[2], j[3], j[4])]
     failures = spilling = 0
     print("kernel       dtype D   causal stats BLOCK_M BLOCK_N warps stages regs "
           "spill_st spill_ld smem  in_space")

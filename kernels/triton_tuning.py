@@ -49,26 +49,28 @@ def _grid(pairs, warps=(4, 8), stages=(2, 3)):
 # Candidate spaces: every config compile_check.py measures, (BLOCK_M, BLOCK_N, warps,
 # stages). The backward runs one program per key block (BLOCK_N keys resident).
 FWD_CANDIDATES = _grid([(64, 32), (64, 64), (128, 32), (128, 64)])
-BWD_CANDIDATES = _grid([(32, 32), (32, 64), (64, 32), (64, 64)], stages=(1, 2))
+BWD_CANDIDATES = _grid([(16, 32), (32, 16), (32, 32), (32, 64), (64, 32), (64, 64)],
+                       stages=(1, 2))
 
-# The spill-free subsets, per head dim, from `compile_check.py --spills --dtypes bf16
-# --causal 1` (sm_90, ptxas 13.4, forward with STATS on; the causal variant is a superset
-# of the non-causal code, fp16 has the same layouts; D 16 and 32 use the D=64 set).
-# Measured: 4 warps spill in every backward config and in the forward at D=128; BLOCK_N
-# 64 spills in every forward config (its [BLOCK_M, 64] score, tie and P̄ tiles); the
-# backward spills from BLOCK_M 64 (table in the kernel notes and RESULTS.md).
+# The spill-free subsets, per head dim, from `compile_check.py --spills` (sm_90, ptxas
+# 13.4): every candidate in bf16 causal (forward with STATS on), and the kept ones in
+# bf16 and fp16, causal and not, forward with STATS on and off (fp16 gives bf16's numbers);
+# D 16 and 32 use the D=64 set. Measured: every backward config with 4 warps spills
+# except BLOCK_M 16; BLOCK_N 64 spills in every forward config (its [BLOCK_M, 64] score,
+# tie and P̄ tiles); at D=128 the backward fits only with BLOCK_M 16 or (32, 16).
 FWD_SPACE = {
     64: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2),
          (128, 32, 8, 3)],
-    128: [(64, 32, 8, 2), (64, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3)],
+    128: [(64, 32, 8, 2), (64, 32, 8, 3)],  # (128, 32, 8) spills 24 B causal, STATS off
 }
 BWD_SPACE = {
-    64: [(32, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1), (32, 64, 8, 2)],
-    128: [(32, 32, 8, 1), (32, 32, 8, 2)],
+    64: [(16, 32, 4, 1), (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 8, 2), (32, 16, 8, 1),
+         (32, 16, 8, 2), (32, 32, 8, 1), (32, 32, 8, 2), (32, 64, 8, 1), (32, 64, 8, 2)],
+    128: [(16, 32, 4, 1), (16, 32, 4, 2), (16, 32, 8, 1), (16, 32, 8, 2), (32, 16, 8, 1)],
 }
 # One config per head dim when tuning is off (FLASHWATCH_TRITON_AUTOTUNE=0).
-FWD_FIXED = {64: (128, 32, 8, 2), 128: (128, 32, 8, 2)}
-BWD_FIXED = {64: (32, 64, 8, 2), 128: (32, 32, 8, 1)}
+FWD_FIXED = {64: (128, 32, 8, 2), 128: (64, 32, 8, 2)}
+BWD_FIXED = {64: (32, 64, 8, 2), 128: (16, 32, 8, 1)}
 
 
 def _space_d(d: int) -> int:
@@ -89,8 +91,10 @@ def _pruner(space, fixed, names, interpret):
     return prune
 
 
-def autotuned(kernel, *, backward: bool, interpret: bool, reset_to_zero=None):
-    """`kernel` wrapped in triton.autotune with this module's key and space."""
+def autotuned(kernel, *, backward: bool, interpret: bool, reset_to_zero=None,
+              restore_value=None):
+    """`kernel` wrapped in triton.autotune with this module's key and space.
+    reset_to_zero / restore_value: the arguments a benchmark run would leave changed."""
     names = ("BLOCK_M", "BLOCK_N")
     cands = BWD_CANDIDATES if backward else FWD_CANDIDATES
     if interpret:  # two entries, so that the autotuner caches its (pruned) pick per key
@@ -100,4 +104,4 @@ def autotuned(kernel, *, backward: bool, interpret: bool, reset_to_zero=None):
                     BWD_FIXED if backward else FWD_FIXED, names, interpret)
     return triton.autotune(configs=configs, key=BWD_KEY if backward else FWD_KEY,
                            prune_configs_by={"early_config_prune": prune},
-                           reset_to_zero=reset_to_zero)(kernel)
+                           reset_to_zero=reset_to_zero, restore_value=restore_value)(kernel)
