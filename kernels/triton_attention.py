@@ -48,7 +48,7 @@ from .triton_fwd import _fwd_kernel
 __all__ = ["INTERPRET", "TUNED", "backward", "check_usable", "forward", "head_table"]
 
 
-# True when the kernels above were built by Triton's interpreter (TRITON_INTERPRET=1 was
+# True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 was
 # set when this module was imported). Decided once: triton.jit picks at decoration time.
 INTERPRET = isinstance(_fwd_kernel, InterpretedFunction)
 

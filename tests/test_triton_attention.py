@@ -175,7 +175,7 @@ def test_single_query_and_key(dtype):
 @pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_rectangular_blocks(monkeypatch, block_m, block_n, causal):
-    # The GPU runs BLOCK_M != BLOCK_N (128×64 forward, 32×128 dK/dV, 128×32 dQ); the
+    # The GPU runs BLOCK_M != BLOCK_N (forward 64×32 or 128×32, backward 16×32 or 32×64); the
     # region split (unmasked / causal diagonal / ragged end) must hold for both ratios.
     monkeypatch.setattr(tuning, "INTERP_BLOCKS", dict(BLOCK_M=block_m, BLOCK_N=block_n))
     for tuned in ta.TUNED:  # the pick is cached per tuning key: forget it for this test
