@@ -133,24 +133,26 @@ class Recorder:
         """The call through flashwatch's kernel with the layer's modes, or None (it
         then runs the original kernel, counted as a fallback when modes are set)."""
         reason = None
-        if mask is not None:
-            reason = "it passes attn_mask"
+        if mask is not None and mask.requires_grad:
+            reason = "its attn_mask requires grad (a learned bias)"
         elif dropout and torch.is_grad_enabled():
             reason = f"it uses attention dropout ({dropout})"
         elif q.dim() != 4:
             reason = f"its q has {q.dim()} dims"
-        if reason is not None:
-            self._fallback(st, reason)
-            self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
-                           f"{st.site.name} because {reason}; it stays on the original "
-                           f"kernel and is still measured")
-            return None
-        try:
-            return self._routed(st, q, k, v, causal, scale, None)
-        except Exception as e:
-            self.ledger.error(f"routing {st.site.name}", e)
-            self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
-            return None
+        if reason is None:
+            try:
+                return self._routed(st, q, k, v, causal, scale, None, attn_mask=mask)
+            except _dispatch_mod.NotInKernel:  # a known limit (docs/limits.md), no error
+                reason = "it passes attn_mask, which the Triton kernels do not take yet"
+            except Exception as e:
+                self.ledger.error(f"routing {st.site.name}", e)
+                self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
+                return None
+        self._fallback(st, reason)
+        self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
+                       f"{st.site.name} because {reason}; it stays on the original "
+                       f"kernel and is still measured")
+        return None
 
     def _check_q(self, st: LayerState, q) -> None:
         """The layer's W^Q slice against the q its SDPA call received, once
@@ -166,13 +168,14 @@ class Recorder:
 
     def interceptor(self, st: LayerState):
         def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0,
-                      eps=1e-3, stats=None, backend="auto"):
+                      eps=1e-3, stats=None, backend="auto", attn_mask=None, softcap=None):
             st.compiled.fw_seen = True  # its compiled steps stay on the eager path (traced.py)
             if self.cadence.measuring:
                 st.buf.calls += 1
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
-                         beta=beta, eps=eps, stats=stats)
+                         beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
+                         softcap=softcap)
             # One β and eps per watched layer, the WatchConfig's: the heads the policy
             # switches and the ties it counts must use the values it was configured with.
             if (beta, eps) != (self.config.beta, self.config.eps):
@@ -182,15 +185,24 @@ class Recorder:
                                 f"eps={self.config.eps} apply (pass them to flashwatch.watch)")
             try:
                 out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                                   backend=backend)
+                                   backend=backend, attn_mask=attn_mask, softcap=softcap)
+            except _dispatch_mod.NotInKernel:  # the call is refused without a watcher too
+                raise
             except Exception as e:  # a failure of ours: run the call as it was made
                 self.ledger.error(f"routing {st.site.name}", e)
                 self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
                                                head_modes=head_modes, beta=beta, eps=eps,
-                                               stats=stats, backend=backend)
-            if self.cadence.measuring:
-                self._safe_probe(st, q, k, v, out, causal, scale, None, True)
+                                               stats=stats, backend=backend,
+                                               attn_mask=attn_mask, softcap=softcap)
+            if self.cadence.measuring and softcap is not None:
+                # The probe's FP32 recomputation has no softcap: its δ rows would be of
+                # another function. The kernel's exact ties and max logit still count.
+                self.warn_once(st, "softcap", f"flashwatch: {st.site.name} calls "
+                               f"flashwatch.attention with softcap={softcap}; its δ error is "
+                               f"not sampled (ties and max logit are exact)")
+            elif self.cadence.measuring:
+                self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True)
             return out
         return intercept
 
@@ -202,7 +214,7 @@ class Recorder:
             st.unmitigable = reason
 
     def _routed(self, st, q, k, v, causal, scale, head_modes, *, user_stats=None, beta=None,
-                eps=None, backend=None):
+                eps=None, backend=None, attn_mask=None, softcap=None):
         cfg = self.config
         if k.shape[1] != q.shape[1]:  # grouped-query attention (enable_gqa)
             rep = q.shape[1] // k.shape[1]
@@ -218,7 +230,8 @@ class Recorder:
         out = _dispatch_mod._dispatch(
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
-            stats=stats, backend=backend or cfg.backend, o32_out=o32)
+            stats=stats, backend=backend or cfg.backend, o32_out=o32, attn_mask=attn_mask,
+            softcap=softcap)
         if not recomputing():
             st.routed_calls += 1
         st.buf.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None

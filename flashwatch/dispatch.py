@@ -55,11 +55,22 @@ def _traceable_head_modes(head_modes, num_heads: int) -> torch.Tensor:
     return torch.tensor([int(Mode(m)) for m in head_modes], dtype=torch.int32)
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+class NotInKernel(RuntimeError):
+    """A call the resolved backend cannot run (an attn_mask or softcap on Triton): the
+    watcher leaves such calls on the original kernel instead of counting an error."""
+
+
+def _resolve_backend(backend: str, q: torch.Tensor, attn_mask=None, softcap=None) -> str:
     if backend == "auto":  # Triton where it runs natively, the reference for the rest
         triton_ok = (q.device.type == "cuda" and q.dtype in TRITON_DTYPES
                      and q.shape[-1] in TRITON_HEAD_DIMS)
-        return "triton" if triton_ok else "reference"
+        backend = "triton" if triton_ok else "reference"
+    if backend == "triton" and (attn_mask is not None or softcap is not None):
+        # Not silently the reference on CUDA: it holds [B, H, 1024, 128] FP32 tiles and
+        # runs ~20 ops a block, far from what a user of backend="auto" expects there.
+        what = "attn_mask" if attn_mask is not None else "softcap"
+        raise NotInKernel(f"the Triton kernels take no {what} yet (docs/limits.md); pass "
+                          f"backend='reference' to run this call in PyTorch, or call SDPA")
     if backend == "triton":
         try:
             from flashwatch.kernels import triton_attention
@@ -74,7 +85,8 @@ def _resolve_backend(backend: str, q: torch.Tensor) -> str:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               scale: float | None = None, head_modes=None, beta: float = 2.0,
               eps: float = 1e-3, stats: AttentionStats | None = None,
-              backend: str = "auto") -> torch.Tensor:
+              backend: str = "auto", attn_mask: torch.Tensor | None = None,
+              softcap: float | None = None) -> torch.Tensor:
     """Attention like `F.scaled_dot_product_attention`, with per-head modes and counters.
 
     q, k, v: [B, H, N, D], bfloat16, float16 or float32, one device.
@@ -90,6 +102,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
       or "paper" (kernels/paper.py: the paper's public implementation, bit-identical to
       it run eagerly, forward and backward; everything in the input dtype, 512-key
       blocks; for research such as docs/REPRODUCTION.md, less accurate on purpose).
+    attn_mask: as SDPA's, bool (True = attend) or an additive float mask, broadcastable
+      to [B, H, Nq, Nk]; with causal both apply. Scores it hides (False, or -inf after
+      adding) are never ties nor the max logit; a row with no visible key gives O = 0
+      and zero gradients (SDPA's math backend does the same). No gradient for the mask.
+    softcap: Gemma2's attention-logit softcapping, s = softcap·tanh(s/softcap) on the
+      scaled scores before the masks; ties and max logit are of the capped scores.
+    attn_mask and softcap run on the reference backends ("paper": attn_mask only); the
+      Triton kernels take neither yet (a RuntimeError, also for "auto" on CUDA).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call; beta and eps there are the
@@ -100,28 +120,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     intercept = None if torch.compiler.is_compiling() else _INTERCEPT.get()
     if intercept is not None:
         return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
-                         beta=beta, eps=eps, stats=stats, backend=backend)
+                         beta=beta, eps=eps, stats=stats, backend=backend,
+                         attn_mask=attn_mask, softcap=softcap)
     return _dispatch(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
-                     eps=eps, stats=stats, backend=backend)
+                     eps=eps, stats=stats, backend=backend, attn_mask=attn_mask,
+                     softcap=softcap)
 
 
 def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
-              o32_out: list | None = None):
+              o32_out: list | None = None, attn_mask=None, softcap=None):
     """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,
     [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
         scale, _ = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=None,
-                                beta=beta, eps=eps, stats=stats)
+                                beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
+                                softcap=softcap)
         modes = _traceable_head_modes(head_modes, q.shape[1])
     else:
         scale, modes = check_inputs(q, k, v, causal=causal, scale=scale,
-                                    head_modes=head_modes, beta=beta, eps=eps, stats=stats)
-    backend = _resolve_backend(backend, q)
+                                    head_modes=head_modes, beta=beta, eps=eps, stats=stats,
+                                    attn_mask=attn_mask, softcap=softcap)
+    backend = _resolve_backend(backend, q, attn_mask, softcap)
+    if backend == "paper" and softcap is not None:
+        raise ValueError(f"softcap={softcap} is not supported by backend='paper' (the "
+                         f"paper's code has no softcapping); use backend='reference'")
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
         q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
-        o32_out is not None)
+        o32_out is not None, attn_mask, None if softcap is None else float(softcap))
     if o32_out is not None:
         o32_out.append(_o32)
     if stats is not None:

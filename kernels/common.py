@@ -150,7 +150,38 @@ def normalize_head_modes(head_modes, num_heads: int) -> torch.Tensor:
     return modes.to(torch.int32)
 
 
-def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats):
+def check_mask(attn_mask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """attn_mask as SDPA takes it: bool (True = attend) or an additive float mask,
+    broadcastable to [B, H, Nq, Nk], on q's device. Shapes and dtypes only (traceable)."""
+    if attn_mask is None:
+        return
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
+                        f"{type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask must be bool (True = attend) or an additive float mask, "
+                        f"got dtype {attn_mask.dtype}; convert with attn_mask.bool() or "
+                        f"attn_mask.to(q.dtype)")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    try:
+        ok = attn_mask.dim() <= 4 and torch.broadcast_shapes(attn_mask.shape, full) == full
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"attn_mask of shape {_shape(attn_mask)} does not broadcast to "
+                         f"[B, H, Nq, Nk] = {list(full)}; give it shape [Nq, Nk], "
+                         f"[B, 1, Nq, Nk] or [B, H, Nq, Nk]")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but q on {q.device}; move it "
+                         f"with attn_mask.to(q.device)")
+    if attn_mask.requires_grad:
+        raise ValueError("attn_mask requires grad, but flashwatch.attention gives no "
+                         "gradient to the mask; pass attn_mask.detach() or use SDPA for a "
+                         "learned bias")
+
+
+def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_mask=None,
+                 softcap=None):
     """Validate a call to any attention backend.
 
     Returns (scale, head_modes) normalized: scale as float, head_modes as an int32 CPU
@@ -211,6 +242,10 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats):
                   hint="the paper uses 2 to 8; beta <= 1 would let P̄ reach 1 again")
     _check_number("eps", eps, greater_than=0.0,
                   hint="it is the tie tolerance in scaled-score units (default 1e-3)")
+    if softcap is not None:
+        _check_number("softcap", softcap, greater_than=0.0,
+                      hint="pass None for no softcapping (Gemma2 uses 50.0)")
+    check_mask(attn_mask, q, k)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(

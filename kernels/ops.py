@@ -1,10 +1,17 @@
 """The attention op registered with torch.library, so torch.compile sees one opaque op.
 
     torch.ops.flashwatch.attention_fwd(q, k, v, modes, causal, scale, beta, eps,
-                                       want_stats, backend, keep_o32=False)
+                                       want_stats, backend, keep_o32=False,
+                                       attn_mask=None, softcap=None)
         -> (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H])
     torch.ops.flashwatch.attention_bwd(do, q, k, v, o, o32, lse, modes, causal, scale,
-                                       backend) -> (dq, dk, dv)
+                                       backend, attn_mask=None, softcap=None)
+        -> (dq, dk, dv)
+
+attn_mask (bool or additive float, broadcastable to [B, H, Nq, Nk]) and softcap run on
+the reference backend (softcap: not "paper"); the Triton kernels take neither yet, so
+`flashwatch.attention` refuses them there before calling (the op would too). The mask
+gets no gradient.
 
 `backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
 TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper"
@@ -46,6 +53,12 @@ def _host_modes(modes: torch.Tensor, num_heads: int) -> torch.Tensor:
     return normalize_head_modes(modes, num_heads)
 
 
+def _triton_plain(attn_mask, softcap) -> None:
+    if attn_mask is not None or softcap is not None:
+        raise RuntimeError("backend='triton' takes no attn_mask or softcap yet; use "
+                           "backend='reference' (O(Nq·Nk) memory per call) for these calls")
+
+
 def _arithmetic(backend: str) -> str:
     # backend="reference" and "paper" both run kernels/reference.py, which chooses the
     # arithmetic for the forward and the backward alike.
@@ -61,13 +74,15 @@ def _like(t: torch.Tensor, layout_of: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("flashwatch::attention_fwd", mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor,
                   causal: bool, scale: float, beta: float, eps: float, want_stats: bool,
-                  backend: str, keep_o32: bool = False
+                  backend: str, keep_o32: bool = False, attn_mask: torch.Tensor | None = None,
+                  softcap: float | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     B, H, Nq, D = q.shape
     modes = _host_modes(modes, H)
     if backend == "triton":
+        _triton_plain(attn_mask, softcap)
         from . import triton_attention
 
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
@@ -75,7 +90,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
                                         keep_o32=keep_o32)
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
                             eps=eps, want_ties=want_stats, arithmetic=_arithmetic(backend),
-                            keep_o32=keep_o32)
+                            keep_o32=keep_o32, attn_mask=attn_mask, softcap=softcap)
     if res.o32 is None:
         o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
     else:
@@ -85,7 +100,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, backend,
-                        keep_o32=False):
+                        keep_o32=False, attn_mask=None, softcap=None):
     B, H, Nq, D = q.shape
     n32 = torch.library.get_ctx().new_dynamic_size()
     return (empty_out(q),
@@ -99,11 +114,13 @@ def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, ba
 @torch.library.custom_op("flashwatch::attention_bwd", mutates_args=())
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, o32: torch.Tensor, lse: torch.Tensor, modes: torch.Tensor,
-                  causal: bool, scale: float, backend: str
+                  causal: bool, scale: float, backend: str,
+                  attn_mask: torch.Tensor | None = None, softcap: float | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
     if backend == "triton":
+        _triton_plain(attn_mask, softcap)
         # o32 may hold every head (keep_o32): the kernel reads the FP32_O heads' rows in
         # place, no gather (a boolean index is a host sync on CUDA).
         from . import triton_attention
@@ -115,33 +132,36 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
                                        scale=scale, modes=modes,
-                                       arithmetic=_arithmetic(backend))
+                                       arithmetic=_arithmetic(backend),
+                                       attn_mask=attn_mask, softcap=softcap)
     return _like(dq, q), _like(dk, k), _like(dv, v)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend):
+def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend,
+                        attn_mask=None, softcap=None):
     return empty_out(q), empty_out(k), empty_out(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend, _keep = inputs
+    (q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend, _keep, attn_mask,
+     softcap) = inputs
     o, lse, o32, _tied, _guarded, max_logit = output
     # Side outputs carry no gradient; without this, copying max_logit into an
     # AttentionStats would pull the stats tensor into the autograd graph.
     ctx.mark_non_differentiable(lse, o32, max_logit)
-    ctx.save_for_backward(q, k, v, o, lse, o32, modes)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+    ctx.save_for_backward(q, k, v, o, lse, o32, modes, attn_mask)
+    ctx.causal, ctx.scale, ctx.backend, ctx.softcap = causal, scale, backend, softcap
 
 
 def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
     # Only o is differentiable; lse, o32 and the counters are side outputs. dO goes in
     # with its own strides (a transposing model's dO is a strided view): every backend
     # takes any strides, the Triton kernels copy only if the last dim is not contiguous.
-    q, k, v, o, lse, o32, modes = ctx.saved_tensors
+    q, k, v, o, lse, o32, modes, attn_mask = ctx.saved_tensors
     dq, dk, dv = attention_bwd(do, q, k, v, o, o32, lse, modes, ctx.causal, ctx.scale,
-                               ctx.backend)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                               ctx.backend, attn_mask, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -47,6 +47,11 @@ STANDARD except δ = rowsum(dO ∘ O32) in FP32 and dS = (P·scale)·(dP - δ) f
 (dP - δ cancels in near one-hot rows; rounding δ to BF16 first would add back an
 error of the size being removed) and rounded once to BF16 for the two matmuls.
 
+attn_mask (an extension: their code takes none): hidden scores are set as their
+causal mask sets them (-finfo.max forward, -inf backward); a float mask is added in the
+input dtype (its -inf entries hide). A row with no visible key gets O = 0, LSE = +inf.
+No softcap here (their code has none).
+
 Counters: tied_rows counts rows whose max over the whole row (visible keys) has ≥ 2
 BF16 scores within eps, as every backend defines it (not the per-block rule); max_logit
 is the largest visible BF16 score; guarded_rows is always 0 (no guard).
@@ -83,20 +88,44 @@ def _hidden(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
     return torch.arange(k0, k1, device=device).unsqueeze(0) > rows
 
 
+def _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, fill):
+    """Their S = (Q Kᵀ)·scale in the input dtype with hidden scores set to `fill`
+    (-finfo.max in their forward, -inf in their backward). attn_mask (an extension: their
+    code takes none): bool False hides, a float mask is added in the input dtype and its
+    -inf entries hide. Returns (S, hidden [.., n, m] bool or None)."""
+    s = torch.matmul(qc, kb.transpose(-1, -2)) * scale
+    hide = _hidden(q0, q1, k0, k1, qc.device) if causal else None
+    if mask is not None:
+        mb = mask[:, :, q0:q1, k0:k1]
+        if mb.dtype != torch.bool:
+            s = s + mb.to(s.dtype)
+            mb = ~torch.isneginf(s)
+        hide = ~mb if hide is None else hide | ~mb
+    if hide is not None:
+        s = s.masked_fill(hide, fill)
+    return s, hide
+
+
 def _fp32_heads(modes: torch.Tensor) -> list[int]:
     return torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, want_ties=True,
-            debug=False, keep_o32=False) -> PaperForward:
+            debug=False, keep_o32=False, attn_mask=None) -> PaperForward:
     """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
     keep_o32: o32 holds every head's FP32 O (the same P̄ and α accumulated in FP32, as for
-    FP32_O heads), for the δ error on every row; O, LSE and the counters are unchanged."""
+    FP32_O heads), for the δ error on every row; O, LSE and the counters are unchanged.
+    attn_mask: as SDPA's; a row with no visible key gets O = 0 and LSE = +inf."""
     with no_autocast(q.device):
-        return _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32)
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32,
+                        mask)
 
 
-def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False):
+def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False,
+             mask=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -130,11 +159,7 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
         for k0 in range(0, Nk, BLOCK):
             k1 = min(k0 + BLOCK, Nk)
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s = torch.matmul(qc, kb.transpose(-1, -2)) * scale
-            hide = _hidden(q0, q1, k0, k1, dev) if causal else None
-            if hide is not None:
-                s = s.masked_fill(hide, masked)
-
+            s, hide = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, masked)
             m_raw = s.amax(-1, keepdim=True)
             m_blk = m_raw
             if any_beta:
@@ -156,20 +181,25 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
                 pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1, keepdim=True))
             m = m_new
 
-            # Every row sees key 0, so the block maxima (before the tie rule) give the
-            # largest visible score: a hidden block's -finfo.max never wins.
-            mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
+            # Causal alone: every row sees key 0, so the block maxima (before the tie
+            # rule) give the largest visible score (a hidden block's -finfo.max never
+            # wins). An attn_mask can hide a whole row: then the visible scores' max.
+            if mask is None:
+                mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
+            s32 = s.float() if hide is None else s.float().masked_fill(hide, -math.inf)
+            if mask is not None:
+                mx_new = torch.maximum(mx, s32.amax(-1))
             if want_ties:
-                s32 = s.float()
-                if hide is not None:
-                    s32 = s32.masked_fill(hide, -math.inf)
                 cnt = update_ties(mx, cnt, s32, mx_new, eps)
             mx = mx_new
 
-        o[:, :, q0:q1] = acc / l
-        lse[:, :, q0:q1] = (torch.log(l) + m).squeeze(-1)
+        # A row with no visible key (attn_mask only): O = 0 and LSE = +inf (the
+        # backward's P = 0), as SDPA's math backend and the reference give.
+        empty = torch.isneginf(mx).unsqueeze(-1)
+        o[:, :, q0:q1] = (acc / l).masked_fill(empty, 0)
+        lse[:, :, q0:q1] = (torch.log(l) + m).masked_fill(empty, math.inf).squeeze(-1)
         if f32:
-            o32[:, :, q0:q1] = acc32 / l32
+            o32[:, :, q0:q1] = (acc32 / l32).masked_fill(empty[:, f32], 0)
         if debug:
             pbar_max[:, :, q0:q1] = pmax.squeeze(-1)
             o_unnorm[:, :, q0:q1] = acc
@@ -179,15 +209,19 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
     return PaperForward(o, lse, o32, tied_rows, max_logit, B * Nq, pbar_max, o_unnorm)
 
 
-def backward(do, q, k, v, o, lse, o32, *, causal, scale, modes):
+def backward(do, q, k, v, o, lse, o32, *, causal, scale, modes, attn_mask=None):
     """Backward pass. lse: [B, H, Nq] as the forward returned it (any float dtype holding
-    its values). o32: [B, H32, Nq, D] for the FP32_O heads or None.
-    Returns (dq, dk, dv, delta): gradients in the input dtype, δ [B, H, Nq] in FP32."""
+    its values). o32: [B, H32, Nq, D] for the FP32_O heads or None. attn_mask: the
+    forward's. Returns (dq, dk, dv, delta): gradients in the input dtype, δ [B, H, Nq]
+    in FP32."""
     with no_autocast(q.device):
-        return _backward(do, q, k, v, o, lse, o32, causal, scale, modes)
+        mask = None
+        if attn_mask is not None:
+            mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        return _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask)
 
 
-def _backward(do, q, k, v, o, lse, o32, causal, scale, modes):
+def _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask=None):
     Nq, Nk = q.shape[2], k.shape[2]
     dt, dev = q.dtype, q.device
     do = do.to(dt)
@@ -210,9 +244,7 @@ def _backward(do, q, k, v, o, lse, o32, causal, scale, modes):
         for k0 in range(0, Nk, BLOCK):
             k1 = min(k0 + BLOCK, Nk)
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s = torch.matmul(qc, kb.transpose(-1, -2)) * scale
-            if causal:
-                s = s.masked_fill(_hidden(q0, q1, k0, k1, dev), -math.inf)
+            s, _ = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, -math.inf)
             p = torch.exp(s - lse_c)
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doc)
             dp = torch.matmul(doc, vb.transpose(-1, -2))

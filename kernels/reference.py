@@ -7,6 +7,12 @@ Semantics (docs/design.md §4), `arithmetic="fused"` (what a FlashAttention-2 ke
   δ = rowsum(dO ∘ O) in FP32; P and dS are cast to the input dtype before their
   matmuls, as a fused backward kernel does.
 
+Masks and softcap (`attention(attn_mask=, softcap=)`): each block's scores are
+  s = scale·QKᵀ, then s = cap·tanh(s/cap) (Gemma2), then causal and attn_mask hide
+  scores with -inf (a float mask is added: its -inf hides, finite values bias). Hidden
+  scores never count as ties or max logit (`common.update_ties`); a row with no visible
+  key gives O = 0 and LSE = +inf (`_finalize`), so its backward P and gradients are 0.
+
 `arithmetic="paper"` runs kernels/paper.py (the arithmetic of the paper's public
 implementation, forward and backward); `forward` and `backward` only forward to it, so
 this module is the one place that chooses the arithmetic (paper.py imports common.py
@@ -85,6 +91,31 @@ def _causal_mask(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
     return cols > rows
 
 
+def _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask):
+    """The FP32 scores of query rows q0:q1 against keys k0:k1, as the softmax sees them:
+    s = scale·QKᵀ, then Gemma2's softcap s = cap·tanh(s/cap), then the masks (causal;
+    attn_mask: bool False → -inf, float added). Returns (s, tanh) with tanh = None
+    without softcap (the backward's chain rule needs it)."""
+    s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+    if causal and k1 - 1 > q0:
+        s.masked_fill_(_causal_mask(q0, q1, k0, k1, qc.device), -math.inf)
+    if mask is not None:
+        m = mask[:, :, q0:q1, k0:k1]
+        s = s.masked_fill_(~m, -math.inf) if m.dtype == torch.bool else s.add_(m.float())
+    return s, t
+
+
+def _full_mask(attn_mask, q, k):
+    # A broadcast view [B, H, Nq, Nk] of the user's mask: nothing is materialised.
+    if attn_mask is None:
+        return None
+    return attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def _head_mask(modes: torch.Tensor, mode: Mode, device) -> torch.Tensor:
     return (modes == int(mode)).to(device).view(1, -1, 1)
 
@@ -102,8 +133,10 @@ def _finalize(acc, l, shift):
 
 
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                   block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False) -> ForwardResult:
+                   block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False, attn_mask=None,
+                   softcap=None) -> ForwardResult:
     B, H, Nq, D = q.shape
+    mask = _full_mask(attn_mask, q, k)
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
     beta_h = _head_mask(modes, Mode.BETA, dev)
@@ -138,9 +171,8 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
         k_end = min(Nk, q1) if causal else Nk  # later keys are masked for every row here
         for k0 in range(0, k_end, block_n):
             k1 = min(k0 + block_n, k_end)
-            s = torch.matmul(qc, k[:, :, k0:k1].float().transpose(-1, -2)).mul_(scale)
-            if causal and k1 - 1 > q0:
-                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
+            s, _ = _block_scores(qc, k[:, :, k0:k1].float(), q0, q1, k0, k1, causal, scale,
+                                 softcap, mask)
             m_new = torch.maximum(m, s.amax(-1))
             if track:
                 cnt = update_ties(m, cnt, s, m_new, eps)
@@ -178,15 +210,22 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
-            want_ties=True, debug=False, block_n=None, keep_o32=False) -> ForwardResult:
+            want_ties=True, debug=False, block_n=None, keep_o32=False, attn_mask=None,
+            softcap=None) -> ForwardResult:
     """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
-    keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'."""
+    keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'.
+    attn_mask, softcap: as `attention` (softcap: fused arithmetic only)."""
     with no_autocast(q.device):
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
-                                  block_n=block_n or BLOCK_N, keep_o32=keep_o32)
+                                  block_n=block_n or BLOCK_N, keep_o32=keep_o32,
+                                  attn_mask=attn_mask, softcap=softcap)
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap} is not supported by the paper arithmetic (the "
+                         f"paper's code has no softcapping); use backend='reference'")
     res = paper.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
-                        want_ties=want_ties, debug=debug, keep_o32=keep_o32)
+                        want_ties=want_ties, debug=debug, keep_o32=keep_o32,
+                        attn_mask=attn_mask)
     H = q.shape[1]
     return ForwardResult(res.o, res.lse.float(), res.o32, res.tied_rows,
                          torch.zeros(H, dtype=torch.int64, device=q.device), res.max_logit,
@@ -194,18 +233,20 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
 
 
 def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, arithmetic="fused",
-             block_n=BLOCK_N, block_m=BLOCK_M):
+             block_n=BLOCK_N, block_m=BLOCK_M, attn_mask=None, softcap=None):
     """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used.
     o32: [B, H32, Nq, D] for the FP32_O heads or None. arithmetic as in `forward` (block_n
-    and block_m apply to "fused" only)."""
+    and block_m apply to "fused" only). attn_mask, softcap: those of the forward."""
     if arithmetic == "paper":
         return paper.backward(do, q, k, v, o, lse, o32, causal=causal, scale=scale,
-                              modes=modes)
+                              modes=modes, attn_mask=attn_mask)
     with no_autocast(q.device):
-        return _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m)
+        return _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m,
+                         _full_mask(attn_mask, q, k), softcap)
 
 
-def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m):
+def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m, mask,
+              softcap):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -231,13 +272,14 @@ def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m):
         for k0 in range(0, k_end, block_n):
             k1 = min(k0 + block_n, k_end)
             kb, vb = k32[:, :, k0:k1], v32[:, :, k0:k1]
-            s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
-            if causal and k1 - 1 > q0:
-                s.masked_fill_(_causal_mask(q0, q1, k0, k1, dev), -math.inf)
-            p = torch.exp(s.sub_(lse_c))
+            s, t = _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask)
+            p = torch.exp(s.sub_(lse_c))  # 0 where masked; rows with no visible key: LSE=+inf
             dv[:, :, k0:k1] += torch.matmul(lo(p).transpose(-1, -2), doc)
             dp = torch.matmul(doc, vb.transpose(-1, -2))
-            ds = lo(p.mul_(dp.sub_(delta_c)))
+            ds = p.mul_(dp.sub_(delta_c))
+            if t is not None:  # through s = cap·tanh(s_raw/cap): ds_raw = ds·(1 - tanh²)
+                ds = ds.mul_(1 - t.square())
+            ds = lo(ds)
             dq[:, :, q0:q1] += torch.matmul(ds, kb).mul_(scale)
             dk[:, :, k0:k1] += torch.matmul(ds.transpose(-1, -2), qc).mul_(scale)
     return dq.to(dt), dk.to(dt), dv.to(dt), delta
@@ -247,35 +289,43 @@ class ReferenceAttention(torch.autograd.Function):
     """autograd.Function over `forward`/`backward`; inputs already validated."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, modes, beta, eps, arithmetic, stats):
+    def forward(ctx, q, k, v, causal, scale, modes, beta, eps, arithmetic, stats, attn_mask,
+                softcap):
         res = forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
-                      arithmetic=arithmetic, want_ties=stats is not None)
+                      arithmetic=arithmetic, want_ties=stats is not None, attn_mask=attn_mask,
+                      softcap=softcap)
         if stats is not None:
             stats.add_(res.tied_rows, res.rows, res.guarded_rows, res.max_logit)
         ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
         ctx.causal, ctx.scale, ctx.modes, ctx.arithmetic = causal, scale, modes, arithmetic
+        ctx.attn_mask, ctx.softcap = attn_mask, softcap
         return res.o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
         dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
-                                 modes=ctx.modes, arithmetic=ctx.arithmetic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+                                 modes=ctx.modes, arithmetic=ctx.arithmetic,
+                                 attn_mask=ctx.attn_mask, softcap=ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def attention(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0, eps=1e-3,
-              stats: AttentionStats | None = None, arithmetic: str = "fused") -> torch.Tensor:
+              stats: AttentionStats | None = None, arithmetic: str = "fused",
+              attn_mask=None, softcap=None) -> torch.Tensor:
     """softmax(scale·QKᵀ)V with per-head modes and counters, in pure PyTorch.
 
     q, k, v: [B, H, N, D] (bf16, fp16 or fp32, one dtype and device). causal masks key j
     for query i when j > i (top-left, like SDPA). head_modes: [H] of Mode (None: all
     STANDARD). stats: an AttentionStats to accumulate into. arithmetic: "fused" (a
     FlashAttention-2 kernel's arithmetic) or "paper" (the paper's BF16 implementation).
+    attn_mask, softcap: as `flashwatch.attention` (docs/attention.md).
     """
     scale, modes = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
-                                beta=beta, eps=eps, stats=stats)
+                                beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
+                                softcap=softcap)
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"arithmetic must be one of {ARITHMETICS}, got {arithmetic!r}")
+    softcap = None if softcap is None else float(softcap)
     return ReferenceAttention.apply(q, k, v, causal, scale, modes, float(beta), float(eps),
-                                    arithmetic, stats)
+                                    arithmetic, stats, attn_mask, softcap)

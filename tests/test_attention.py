@@ -7,6 +7,7 @@ import torch
 
 import flashwatch as fw
 from flashwatch.kernels import reference as R
+from oracle import FLOOR
 
 
 def _qkv(shape=(2, 3, 40, 32), dtype=torch.bfloat16, seed=0):
@@ -113,3 +114,171 @@ def test_watch_config_routes_to_the_paper_backend():
     direct = R.attention(q, k, v, causal=True, arithmetic="paper")
     assert torch.equal(fw.attention(q, k, v, causal=True, backend="paper"), direct)
     assert not torch.equal(outs["paper"], outs["reference"])  # the watcher used it
+
+
+# ---------------------------------------------------------------------------------------
+# attn_mask and softcap (issue 28 item 6): the 2× rule against FP64 for O, dq, dk, dv,
+# and counters equal to a brute-force count over the visible scores.
+
+MODES3 = [fw.Mode.STANDARD, fw.Mode.BETA, fw.Mode.FP32_O]  # one head each
+
+
+def _mask(pattern, B, H, N, generator):
+    """A bool mask (True = attend) and whether causal applies on top. padding: batch 1's
+    last third of the keys hidden, [B, 1, N, N], with causal; window: Mistral's sliding
+    window of 5 (causal inside), [N, N]; empty: random [B, H, N, N] with batch 1's first 3
+    rows seeing no key at all."""
+    i = torch.arange(N)
+    if pattern == "padding":
+        m = torch.ones(B, 1, N, N, dtype=torch.bool)
+        m[1, :, :, N - N // 3:] = False
+        return m, True
+    if pattern == "window":
+        return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5), False
+    m = torch.rand(B, H, N, N, generator=generator) < 0.5
+    m[1, :, :3] = False
+    return m, False
+
+
+def _additive(mask, dtype):
+    """The same mask as SDPA's additive float mask, plus an ALiBi-like finite bias
+    (multiples of 1/4, exact in every dtype): -inf hides, finite values add."""
+    i = torch.arange(mask.shape[-1])
+    bias = -0.25 * (i[:, None] - i[None, :]).abs().clamp(max=8).float()
+    return bias.masked_fill(~mask, -torch.inf).to(dtype)
+
+
+def _scores(q, k, scale, dtype, *, attn_mask=None, causal=False, softcap=None):
+    s = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -torch.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool \
+            else s + attn_mask.to(dtype)
+    return s
+
+
+def _math(q, k, v, dtype, **kw):
+    """SDPA's math in `dtype` (differentiable): a row with no visible key gives O = 0."""
+    s = _scores(q, k, q.shape[-1] ** -0.5, dtype, **kw)
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return torch.matmul(p, v.to(dtype))
+
+
+def _fwd_bwd(fn, q, k, v, do):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = fn(q, k, v)
+    o.backward(do.to(o.dtype))
+    return [t.detach().double() for t in (o, q.grad, k.grad, v.grad)]
+
+
+def _within_rule(out, pt, truth, dtype, what):
+    """tests/oracle.py's rule with its floor relative to the largest true output or
+    gradient (N = 1: pt's dq, dk are exactly 0 while a kernel's δ = rowsum(dO∘O) leaves
+    FP32 rounding of the size of dv)."""
+    floor = FLOOR[dtype] * max(1.0, *(t.abs().max().item() for t in truth))
+    for name, a, b, t in zip(("O", "dq", "dk", "dv"), out, pt, truth, strict=True):
+        e, e_pt = (a - t).abs().max().item(), (b - t).abs().max().item()
+        assert e <= 2 * e_pt + floor, f"{what} {name}: {e:.3g} > 2×{e_pt:.3g} + {floor:g}"
+
+
+@pytest.mark.parametrize("N,D", [(1, 16), (7, 32), (200, 64)])
+@pytest.mark.parametrize("pattern", ["padding", "window", "empty"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_masked_attention_within_the_rule_every_mode(dtype, kind, pattern, N, D):
+    g = torch.Generator().manual_seed(N + D)
+    B, H = 2, 3
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g).to(dtype) for _ in range(4))
+    mask, causal = _mask(pattern, B, H, N, g)
+    if kind == "additive":
+        mask = _additive(mask, dtype)
+    kw = dict(attn_mask=mask, causal=causal)
+    out = _fwd_bwd(lambda a, b, c: fw.attention(a, b, c, head_modes=MODES3, **kw), q, k, v, do)
+    truth = _fwd_bwd(lambda a, b, c: _math(a, b, c, torch.float64, **kw), q, k, v, do)
+    pt = _fwd_bwd(lambda a, b, c: _math(a, b, c, dtype, **kw), q, k, v, do)
+    _within_rule(out, pt, truth, dtype, f"{kind} {pattern}")
+    if pattern == "empty":  # rows with no visible key: O = 0 and dq = 0 exactly, no NaN
+        assert out[0][1, :, :3].abs().max() == 0 and out[1][1, :, :3].abs().max() == 0
+    assert all(torch.isfinite(t).all() for t in out)
+
+
+def _brute(q, k, eps=1e-3, **kw):
+    """(tied_rows, max_logit) per head over the visible FP32 scores, by brute force."""
+    s = _scores(q.float(), k.float(), q.shape[-1] ** -0.5, torch.float32, **kw)
+    m = s.amax(-1)
+    count = ((s >= (m - eps).unsqueeze(-1)) & ~torch.isneginf(s)).sum(-1)
+    return (count >= 2).sum((0, 2)), m.amax((0, 2))
+
+
+@pytest.mark.parametrize("N", [1, 7, 300])
+@pytest.mark.parametrize("pattern", ["padding", "window", "empty"])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_masked_counters_equal_brute_force(kind, pattern, N):
+    """Tie-heavy integer data: many tied rows; a hidden score never ties nor is the max
+    (in `empty`, whole rows are hidden and a hidden key's score is the largest)."""
+    g = torch.Generator().manual_seed(N)
+    B, H, D = 2, 3, 16
+    q, k, v = (torch.randint(-2, 3, (B, H, N, D), generator=g).bfloat16() for _ in range(3))
+    mask, causal = _mask(pattern, B, H, N, g)
+    if kind == "additive":
+        mask = _additive(mask, torch.float32)
+    stats = fw.AttentionStats.zeros(H)
+    fw.attention(q, k, v, attn_mask=mask, causal=causal, head_modes=MODES3, stats=stats)
+    tied, max_logit = _brute(q, k, attn_mask=mask, causal=causal)
+    assert stats.tied_rows.tolist() == tied.tolist()
+    assert torch.equal(stats.max_logit, max_logit)
+    assert stats.rows.tolist() == [B * N] * H
+    if N == 300:
+        assert tied.min() > 0
+
+
+def test_a_hidden_larger_score_is_not_the_max_logit_nor_a_tie():
+    q = torch.ones(1, 1, 1, 16)
+    k = torch.stack([torch.full((16,), x) for x in (1.0, 1.0, 9.0)])[None, None]
+    stats = fw.AttentionStats.zeros(1)
+    mask = torch.tensor([True, False, False])
+    fw.attention(q, k, k, attn_mask=mask, scale=1.0, stats=stats)
+    assert stats.max_logit.tolist() == [16.0] and stats.tied_rows.tolist() == [0]
+
+
+@pytest.mark.parametrize("N", [1, 7, 200])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_softcap_as_gemma2_within_the_rule_with_exact_counters(dtype, N):
+    """s = cap·tanh(s/cap) on the scaled scores, before the (sliding-window) mask; q
+    scaled by 4 puts the scores (≈ ±4) where the cap of 3 bends them."""
+    g = torch.Generator().manual_seed(N)
+    B, H, D = 2, 3, 64
+    q, k, v, do = (torch.randn(B, H, N, D, generator=g).to(dtype) for _ in range(4))
+    q = q * 4
+    mask, _ = _mask("window", B, H, N, g)
+    kw = dict(attn_mask=mask, softcap=3.0)
+    out = _fwd_bwd(lambda a, b, c: fw.attention(a, b, c, head_modes=MODES3, **kw), q, k, v, do)
+    truth = _fwd_bwd(lambda a, b, c: _math(a, b, c, torch.float64, **kw), q, k, v, do)
+    pt = _fwd_bwd(lambda a, b, c: _math(a, b, c, dtype, **kw), q, k, v, do)
+    _within_rule(out, pt, truth, dtype, "softcap")
+    stats = fw.AttentionStats.zeros(H)
+    fw.attention(q, k, v, stats=stats, **kw)
+    tied, max_logit = _brute(q, k, **kw)
+    assert torch.equal(stats.max_logit, max_logit) and stats.tied_rows.tolist() == tied.tolist()
+    assert max_logit.max() < 3.0 and (N == 1 or max_logit.min() > 2.0)
+
+
+def test_triton_refuses_a_mask_before_running_anything():
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="attn_mask"):
+        fw.attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool),
+                     backend="triton")
+
+
+def test_a_masked_softcapped_call_compiles_fullgraph_and_matches_eager():
+    """attn_mask (Optional[Tensor]) and softcap (Optional[float]) go through the
+    torch.library op and its fake implementation: no graph break, the same bits."""
+    q, k, v = _qkv(shape=(2, 2, 9, 16), dtype=torch.float32)
+    mask = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(0)) < 0.7
+    fn = torch.compile(lambda a, b, c: fw.attention(a, b, c, attn_mask=mask, softcap=4.0),
+                       fullgraph=True, backend="eager")
+    assert torch.equal(fn(q, k, v), fw.attention(q, k, v, attn_mask=mask, softcap=4.0))

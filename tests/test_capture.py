@@ -31,7 +31,16 @@ class Attention(nn.Module):
         if self.kind == "softmax":  # hand-written: no SDPA call
             p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1)
             return (p @ v).sum()
-        mask = torch.ones(T, T, dtype=torch.bool).tril() if self.kind == "mask" else None
+        if self.kind == "dropout":  # never routable while training (random O)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True).sum()
+        mask = None
+        if self.kind == "mask":  # causal with the first 2 keys padded out, as a bool mask
+            mask = torch.ones(T, T, dtype=torch.bool).tril()
+            mask[:, :2] = False
+        elif self.kind == "float_mask":  # the same as an additive float mask, per batch
+            hidden = torch.ones(T, T, dtype=torch.bool).triu(1)
+            hidden[:, :2] = True
+            mask = torch.zeros(B, 1, T, T).masked_fill(hidden, -math.inf)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                               is_causal=mask is None).sum()
 
@@ -93,9 +102,9 @@ def test_a_layer_without_a_visible_attention_call_is_said_once_and_counted(caplo
 
 def test_confirmed_holds_a_mode_once_it_ran_and_never_one_that_could_not():
     """report.confirmed (what counters count): a hand-set FP32_O on a layer whose SDPA
-    call passes attn_mask cannot run and is never confirmed; on a routable layer it is
+    call uses dropout cannot run and is never confirmed; on a routable layer it is
     confirmed exactly once, at the first report that saw it run."""
-    model = Two(Attention("mask"), Attention("sdpa"))
+    model = Two(Attention("dropout"), Attention("sdpa"))
     w = fw.watch(model, every_n_steps=1)
     x = torch.randn(2, 8, 32)
     for layer in ("layers.0", "layers.1"):
@@ -106,3 +115,24 @@ def test_confirmed_holds_a_mode_once_it_ran_and_never_one_that_could_not():
         confirmed.append([(e.layer, e.head, e.to_mode) for e in w.step().confirmed])
     assert confirmed == [[("layers.1", 0, Mode.FP32_O)], [], []]
     w.remove()
+
+
+def test_a_masked_sdpa_call_is_routed_with_its_mask():
+    """A padding mask (bool or additive) no longer keeps a layer on the original kernel
+    (issue 28 item 6): FP32_O runs, is confirmed, and the output is SDPA's to FP32 rounding
+    (rows 0 and 1 see no key: O = 0 there, as SDPA)."""
+    for kind in ("mask", "float_mask"):
+        torch.manual_seed(0)
+        model = Two(Attention(kind), Attention("sdpa"))
+        x = torch.randn(2, 8, 32)
+        expected = model(x).item()
+        w = fw.watch(model, every_n_steps=1)
+        w.set_head_modes("layers.0", [Mode.FP32_O, Mode.STANDARD])
+        out = model(x)
+        out.backward()
+        report = w.step()
+        assert report.unmitigable == {}, (kind, report.unmitigable)
+        assert [(e.layer, e.head, e.to_mode) for e in report.confirmed] == [
+            ("layers.0", 0, Mode.FP32_O)], kind
+        assert abs(out.item() - expected) <= 1e-4 * max(1.0, abs(expected)), kind
+        w.remove()

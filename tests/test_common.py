@@ -51,6 +51,16 @@ BAD_CALLS = [
     (dict(stats=AttentionStats.zeros(3)), ValueError, ["stats", "3 heads", "zeros(2)"]),
     (dict(stats={"tied_rows": 0}), TypeError, ["stats", "AttentionStats"]),
     (dict(backend="cuda"), ValueError, ["backend", "'cuda'"]),
+    (dict(attn_mask=torch.ones(5, 5, dtype=torch.int64)), TypeError, ["attn_mask", "int64"]),
+    (dict(attn_mask=torch.ones(5, 6, dtype=torch.bool)), ValueError,
+     ["attn_mask", "[5, 6]", "[1, 2, 5, 5]"]),
+    (dict(attn_mask=torch.ones(3, 1, 5, 5, dtype=torch.bool)), ValueError, ["attn_mask"]),
+    (dict(attn_mask=torch.zeros(5, 5, requires_grad=True)), ValueError,
+     ["attn_mask", "detach"]),
+    (dict(attn_mask=[[True]]), TypeError, ["attn_mask", "list"]),
+    (dict(softcap=0.0), ValueError, ["softcap", "None"]),
+    (dict(softcap="50"), TypeError, ["softcap", "str"]),
+    (dict(softcap=5.0, backend="paper"), ValueError, ["softcap", "paper", "reference"]),
 ]
 
 

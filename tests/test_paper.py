@@ -377,3 +377,49 @@ def test_two_tied_maxima_at_896_give_a_row_sum_of_2():
     s = (q[0, 0, :1] @ k[0, 0].T).float()
     p = torch.exp(s.to(BF16) - res.lse[0, 0, :1, None])
     assert p.float().sum().item() == 2.0
+
+
+# attn_mask (an extension: the authors' code takes none). Their forward writes
+# -finfo.max into hidden scores and their backward -inf, whichever mask hid them.
+
+def _masked_run(q, k, v, do, mask, *, causal=False, modes=(Mode.STANDARD, Mode.BETA)):
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    st = fw.AttentionStats.zeros(q.shape[1])
+    o = fw.attention(qq, kk, vv, causal=causal, head_modes=list(modes), stats=st,
+                     backend="paper", attn_mask=mask)
+    o.backward(do)
+    return [o.detach(), qq.grad, kk.grad, vv.grad], st
+
+
+@pytest.mark.parametrize("N", [200, 1100])
+def test_a_causal_bool_mask_is_bitwise_causal_and_additive_masks_match_bool(N):
+    q, k, v, do = _data(N, 16, logit=30.0, seed=N)
+    hidden = torch.ones(N, N, dtype=torch.bool).triu(1)
+    want, st_want = _masked_run(q, k, v, do, None, causal=True)
+    for mask in (~hidden, torch.zeros(N, N, dtype=BF16).masked_fill(hidden, -math.inf)):
+        got, st = _masked_run(q, k, v, do, mask)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(st.tied_rows, st_want.tied_rows)
+        assert torch.equal(st.max_logit, st_want.max_logit)
+
+
+def test_padding_and_fully_masked_rows_give_zero_and_exact_counters():
+    """Batch 1's last 50 keys padded; its first 4 query rows see no key (O = 0, zero
+    gradients, no NaN); counters equal the brute force over the visible BF16 scores."""
+    N, D = 200, 16
+    q, k, v, do = _data(N, D, logit=30.0, seed=3)
+    mask = torch.ones(2, 1, N, N, dtype=torch.bool)
+    mask[1, :, :, N - 50:] = False
+    mask[1, :, :4] = False
+    (o, dq, dk, dv), st = _masked_run(q, k, v, do, mask)
+    assert o[1, :, :4].abs().max() == 0 and dq[1, :, :4].abs().max() == 0
+    assert dk[1, :, N - 50:].abs().max() == 0 and dv[1, :, N - 50:].abs().max() == 0
+    assert all(torch.isfinite(t).all() for t in (o, dq, dk, dv))
+    s = torch.matmul(q, k.transpose(-1, -2)) * D**-0.5  # one 512-key block: their S
+    for h in range(2):
+        # (brute_ties would count batch 1's rows without a visible key: -inf ≥ -inf)
+        ties = [brute_ties(s[0, h], ~mask[0, 0], 1e-3),
+                brute_ties(s[1, h, 4:], ~mask[1, 0, 4:], 1e-3)]
+        assert st.tied_rows[h].item() == sum(t for t, _ in ties)
+        assert st.max_logit[h].item() == max(m for _, m in ties)
