@@ -1,0 +1,186 @@
+"""The docs cannot rot: every ```python block of README.md and docs/*.md runs here.
+
+A block runs in a fresh interpreter of its own (a subprocess; cwd a temporary directory,
+the repository on PYTHONPATH so `examples.gpt` imports), so each block must stand alone,
+as a reader would paste it. Blocks that need a GPU, a network, a long run or names from
+the reader's own script are fragments, marked either in the fence (```python fragment)
+or by an HTML comment starting `<!-- fragment` on the line before the fence; a fragment
+must still compile. A failure names the file and the line of the block's fence.
+
+Also checked: the README's metrics table is flashwatch/metrics.py's, the README links
+every page of docs/, relative links lead to files, and docs/design.md's module map names
+every module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from flashwatch.metrics import METRICS
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+BLOCK_TIMEOUT_S = 600  # a Lightning quickstart takes ≈ 10 s alone, minutes on a busy CPU
+
+FENCE = re.compile(r"^(?P<indent>\s*)```(?P<info>.*)$")
+FRAGMENT_COMMENT = re.compile(r"^\s*<!--\s*fragment\b")
+
+
+class Block(NamedTuple):
+    path: Path
+    line: int  # 1-based line of the opening fence
+    source: str
+    fragment: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def parse_blocks(path: Path, text: str | None = None) -> list[Block]:
+    """The ```python blocks of a Markdown file, dedented by their fence's indent."""
+    lines = (path.read_text() if text is None else text).split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        words = m["info"].split()
+        start, indent = i, len(m["indent"])
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].strip() != "```":
+            line = lines[i]
+            body.append(line[indent:] if line[:indent].strip() == "" else line.lstrip())
+            i += 1
+        i += 1  # the closing fence
+        if not words or words[0] != "python":
+            continue
+        before = next((x for x in reversed(lines[:start]) if x.strip()), "")
+        fragment = "fragment" in words[1:] or bool(FRAGMENT_COMMENT.match(before))
+        blocks.append(Block(path, start + 1, "\n".join(body) + "\n", fragment))
+    return blocks
+
+
+def doc_files() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+ALL_BLOCKS = [b for f in doc_files() for b in parse_blocks(f)]
+RUN = [b for b in ALL_BLOCKS if not b.fragment]
+FRAGMENTS = [b for b in ALL_BLOCKS if b.fragment]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # no network and no GUI, whatever a block asks of Hugging Face, W&B or matplotlib
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="disabled",
+               MPLBACKEND="Agg")
+    return env
+
+
+@pytest.mark.parametrize("block", RUN, ids=[b.name for b in RUN])
+def test_python_block_runs(block: Block, tmp_path: Path):
+    # Blank lines in front, so a traceback's line number is the line in the Markdown file.
+    script = tmp_path / (block.name.replace("/", "_").replace(":", "_L") + ".py")
+    script.write_text("\n" * block.line + block.source)
+    try:
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(),
+                              capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{block.name}: the block ran over {BLOCK_TIMEOUT_S} s; shrink it, or "
+                    f"mark it <!-- fragment --> if it is a long run by design")
+    assert done.returncode == 0, (
+        f"{block.name}: the ```python block exited with {done.returncode}. Fix it, or mark it "
+        f"as a fragment (<!-- fragment --> before the fence) if it needs a GPU, a network, a "
+        f"long run or the reader's own names.\n--- stderr (tail) ---\n{done.stderr[-4000:]}")
+
+
+@pytest.mark.parametrize("block", FRAGMENTS, ids=[b.name for b in FRAGMENTS])
+def test_fragment_compiles(block: Block):
+    try:
+        compile(block.source, block.name, "exec")
+    except SyntaxError as e:
+        pytest.fail(f"{block.name}: fragment does not compile: line {e.lineno} of the block: "
+                    f"{e.msg}")
+
+
+def test_parser_finds_fences_markers_and_indented_blocks():
+    text = "\n".join([
+        "# t", "```python", "if a:", "    a = 1", "```",  # runs (line 2)
+        "<!-- fragment: needs a GPU -->", "", "```python", "b(", "```",  # fragment by comment
+        "```python fragment", "c = 3", "```",             # fragment by fence
+        "```bash", "make test", "```",                    # not Python
+        "1. item", "   ```python", "   if d:", "       d = 4", "", "   ```",  # in a list
+        "```", "```python", "```"])                       # an unlabelled block holds a fence
+    got = [(b.line, b.source, b.fragment) for b in parse_blocks(ROOT / "x.md", text)]
+    assert got == [(2, "if a:\n    a = 1\n", False), (8, "b(\n", True), (11, "c = 3\n", True),
+                   (18, "if d:\n    d = 4\n\n", False)]
+
+
+def test_readme_quickstarts_are_executed_not_fragments():
+    headings = [m.group(0) for m in re.finditer(r"^## Quickstart: .+$", README.read_text(), re.M)]
+    assert len(headings) == 3, headings  # plain PyTorch, Lightning, Hugging Face Trainer
+    text = README.read_text().split("\n")
+    for heading in headings:
+        at = text.index(heading) + 1
+        inside = [b for b in ALL_BLOCKS if b.path == README and b.line > at]
+        assert inside and not inside[0].fragment, f"{heading}: its first block is a fragment"
+
+
+def metrics_table() -> list[str]:
+    """The README's metrics table, rendered from the one table (flashwatch/metrics.py):
+    every per-head metric that has a healthy range."""
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+    rows = ["| metric | meaning | healthy |", "|---|---|---|"]
+    rows += [f"| `{m.name}` | {cell(m.help)} | {cell(m.healthy)} |"
+             for m in METRICS if m.scope == "head" and m.healthy]
+    return rows
+
+
+def test_readme_metrics_table_is_the_metrics_table():
+    lines = README.read_text().split("\n")
+    at = lines.index("| metric | meaning | healthy |")
+    end = next(i for i in range(at, len(lines)) if not lines[i].startswith("|"))
+    want = metrics_table()
+    assert len(want) >= 12  # the table must not lose its rows unnoticed
+    assert lines[at:end] == want, ("README.md's metrics table differs from "
+                                   "flashwatch/metrics.py; paste this:\n" + "\n".join(want))
+
+
+def test_readme_links_every_docs_page():
+    text = README.read_text()
+    unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if f"](docs/{p.name})" not in text]
+    assert not unlinked, f"README.md links none of {unlinked} (add them under Documentation)"
+
+
+def test_relative_links_point_at_files():
+    broken = []
+    for page in doc_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            if not (page.parent / target.split("#", 1)[0]).exists():
+                broken.append(f"{page.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+
+
+def test_design_module_map_names_every_module():
+    """docs/design.md §2 names every module of flashwatch/, kernels/ and integrations/."""
+    design = (DOCS / "design.md").read_text()
+    section = design.split("## 2.", 1)[1].split("\n## 3.", 1)[0]
+    missing = [f"{d}/{p.name}" for d in ("flashwatch", "kernels", "integrations")
+               for p in sorted((ROOT / d).glob("*.py"))
+               if p.name != "__init__.py" and p.name not in section]
+    assert not missing, f"docs/design.md §2 (module map) does not name {missing}"

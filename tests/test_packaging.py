@@ -1,0 +1,129 @@
+"""Dependencies as users expect them: the core needs torch, numpy, triton and
+prometheus-client; Lightning, matplotlib and transformers are extras, imported only where
+they are used, and a missing extra is named in a one-line `pip install` message.
+
+Each check runs a fresh interpreter in which the extras cannot be imported: a finder put
+first on sys.meta_path raises ModuleNotFoundError for them, as if they were not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: the dev extra installs tomli
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = {"torch", "numpy", "triton", "prometheus-client"}
+EXTRAS = {"lightning": {"lightning"}, "report": {"matplotlib"},
+          "transformers": {"transformers", "accelerate"}}
+# top-level modules of each extra (and of what the extras pull in)
+NO_LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
+NO_PLOTS = ("matplotlib",)
+NO_TRANSFORMERS = ("transformers", "accelerate")
+
+BLOCKER = """
+import sys
+
+class _NotInstalled:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def run_without(blocked: tuple[str, ...], code: str, cwd: Path) -> subprocess.CompletedProcess:
+    src = BLOCKER.format(blocked=set(blocked)) + textwrap.dedent(code)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", src], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def _name(requirement: str) -> str:
+    return re.match(r"[A-Za-z0-9_.\-]+", requirement).group(0).lower()
+
+
+def test_pyproject_core_and_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert {_name(r) for r in project["dependencies"]} == CORE
+    extras = project["optional-dependencies"]
+    for extra, names in EXTRAS.items():
+        assert {_name(r) for r in extras[extra]} == names, extra
+    assert extras["all"] == ["flashwatch[lightning,report,transformers]"]
+    assert "flashwatch[all]" in extras["dev"]  # `make test` installs every extra
+    install = [line for line in (ROOT / "Makefile").read_text().splitlines()
+               if "pip install" in line and "-e " in line]
+    assert install and all('".[all,dev]"' in line for line in install), install
+
+
+def test_core_and_demo_run_without_any_extra(tmp_path: Path):
+    done = run_without(NO_LIGHTNING + NO_PLOTS + NO_TRANSFORMERS, f"""
+        import torch
+        import flashwatch as fw
+        import flashwatch.cli, flashwatch.runreport
+        from flashwatch.integrations.prometheus import PrometheusSink
+        from examples.gpt import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=2, n_embd=16))
+        with fw.watch(model, every_n_steps=1) as watcher:
+            x = torch.randint(0, 256, (2, 9))
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            report = watcher.step()
+        assert report is not None and len(report.heads) == 2, report
+        assert flashwatch.cli.main(["info"]) == 0
+        assert flashwatch.cli.main(["demo", "--steps", "2", "--every", "1", "--port", "0",
+                                    "--out", {str(tmp_path / "demo")!r}]) == 0
+        loaded = sorted(m for m in sys.modules if m.partition(".")[0] in
+                        {set(NO_LIGHTNING + NO_PLOTS + NO_TRANSFORMERS)!r})
+        assert not loaded, loaded
+        print("core ok")
+        """, tmp_path)
+    assert done.returncode == 0 and "core ok" in done.stdout, done.stderr[-3000:]
+    assert (tmp_path / "demo" / "flashwatch.jsonl").is_file()
+
+
+def test_report_without_matplotlib_names_the_extra_in_one_line(tmp_path: Path):
+    done = run_without(NO_PLOTS, f"""
+        from flashwatch.cli import main
+        sys.exit(main(["report", {str(tmp_path)!r}]))
+        """, tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode != 0 and len(lines) == 1, done.stderr[-3000:]
+    assert "pip install 'flashwatch[report]'" in lines[0], lines
+    assert not list(tmp_path.glob("*.png"))
+
+
+def _import_error(blocked: tuple[str, ...], module: str, cwd: Path) -> str:
+    done = run_without(blocked, f"""
+        try:
+            import {module}
+        except ImportError as e:
+            print(e)
+        else:
+            print("imported")
+        """, cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_lightning_callback_without_lightning_names_the_extra(tmp_path: Path):
+    msg = _import_error(NO_LIGHTNING, "flashwatch.integrations.lightning", tmp_path)
+    assert "pip install 'flashwatch[lightning]'" in msg and "\n" not in msg, msg
+
+
+def test_trainer_callback_without_transformers_names_the_extra(tmp_path: Path):
+    msg = _import_error(NO_TRANSFORMERS, "flashwatch.integrations.transformers", tmp_path)
+    assert "pip install 'flashwatch[transformers]'" in msg and "\n" not in msg, msg
