@@ -3,7 +3,7 @@
   dtype rounding that is right in the interpreter   `_rne_bf16_bits`, `_rne_bf16`, `_up`,
                                                      `_lo`, `_to_store`, `_dot`
   row max, BETA shift and the online tie count       `_rowmax`, `_beta_excess`, `_update_ties`
-  the prologue every kernel shares                  `_bh_offset`, `_tile`
+  the prologue every kernel shares                  `_bh_offset`, `_tile`, `_row_offset`
 
 Interpreter (TRITON_INTERPRET=1, how CPU CI runs these kernels): triton 3.9's
 interpreter mishandles BF16 (triton-lang/triton#11584: `tl.dot` multiplies the raw
@@ -150,5 +150,11 @@ def _tile(base, start, stride, BLOCK: tl.constexpr, D: tl.constexpr):
     """Pointers to rows [start, start + BLOCK) × [0, D) of a row-major head at `base`.
     The row start goes in as an int64 scalar; the in-tile offsets (< BLOCK·stride) stay
     int32, so the [BLOCK, D] pointer arithmetic costs what it did with int32 offsets."""
-    row0 = base + tl.cast(start, tl.int64) * stride
+    row0 = base + _row_offset(start, stride)
     return row0 + tl.arange(0, BLOCK)[:, None] * stride + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _row_offset(start, stride):
+    """start·stride in int64 (row 2^20 of a [B, N, H, D] view with H·D = 4096 is 2^32)."""
+    return tl.cast(start, tl.int64) * stride

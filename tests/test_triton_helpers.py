@@ -101,3 +101,23 @@ def test_rne_bf16_matches_torch_rounding():
     _store_probe[(n // PROBE,)](x, z, N=PROBE, INTERPRET=ta.INTERPRET)
     assert torch.equal(_bf16_bits(z[~nan]), _bf16_bits(want[~nan]))
     assert torch.isnan(z[nan]).all()
+
+
+@triton.jit
+def _offset_probe(OUT, pid_bh, H, stride_b, stride_h, start, stride):
+    one = tl.arange(0, 1)
+    tl.store(OUT + one, th._bh_offset(pid_bh, H, stride_b, stride_h) + tl.zeros([1], tl.int64))
+    tl.store(OUT + 1 + one, th._row_offset(start, stride) + tl.zeros([1], tl.int64))
+
+
+@pytest.mark.parametrize("pid_bh,H,stride_b,stride_h,start,stride", [
+    (7, 4, 2 ** 30, 2 ** 29, 2 ** 20, 4096),  # batch 1 at 2^30, head 3 at 1.5·2^30
+    (3, 4, 2 ** 28, 2 ** 30, 2 ** 21 - 1, 2 ** 12),  # head 3 alone is 3·2^30
+])
+def test_offsets_past_int32_are_exact(pid_bh, H, stride_b, stride_h, start, stride):
+    # Every factor fits int32 (Triton passes such ints as i32); the products do not.
+    out = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    _offset_probe[(1,)](out, pid_bh, H, stride_b, stride_h, start, stride)
+    b, h = divmod(pid_bh, H)
+    assert out.tolist() == [b * stride_b + h * stride_h, start * stride]
+    assert max(out.tolist()) >= 2 ** 31
