@@ -133,17 +133,15 @@ class Recorder:
         """The call through flashwatch's kernel with the layer's modes, or None (it
         then runs the original kernel, counted as a fallback when modes are set)."""
         reason = None
-        if mask is not None and mask.requires_grad:
-            reason = "its attn_mask requires grad (a learned bias)"
-        elif dropout and torch.is_grad_enabled():
+        if dropout and torch.is_grad_enabled():
             reason = f"it uses attention dropout ({dropout})"
         elif q.dim() != 4:
             reason = f"its q has {q.dim()} dims"
         if reason is None:
             try:
                 return self._routed(st, q, k, v, causal, scale, None, attn_mask=mask)
-            except _dispatch_mod.NotInKernel:  # a known limit (docs/limits.md), no error
-                reason = "it passes attn_mask, which the Triton kernels do not take yet"
+            except _dispatch_mod.NotInKernel as e:  # a known limit (docs/limits.md)
+                reason = f"it passes attn_mask, which its backend cannot run ({e})"
             except Exception as e:
                 self.ledger.error(f"routing {st.site.name}", e)
                 self._fallback(st, f"routing failed ({type(e).__name__}: {e})")

@@ -105,7 +105,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     attn_mask: as SDPA's, bool (True = attend) or an additive float mask, broadcastable
       to [B, H, Nq, Nk]; with causal both apply. Scores it hides (False, or -inf after
       adding) are never ties nor the max logit; a row with no visible key gives O = 0
-      and zero gradients (SDPA's math backend does the same). No gradient for the mask.
+      and zero gradients (SDPA's math backend does the same). A float mask that
+      requires grad (a learned bias such as T5's) gets its gradient ("paper": refused).
     softcap: Gemma2's attention-logit softcapping, s = softcap·tanh(s/softcap) on the
       scaled scores before the masks; ties and max logit are of the capped scores.
     attn_mask and softcap run on the reference backends ("paper": attn_mask only); the
@@ -146,6 +147,10 @@ def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
     if backend == "paper" and softcap is not None:
         raise ValueError(f"softcap={softcap} is not supported by backend='paper' (the "
                          f"paper's code has no softcapping); use backend='reference'")
+    if backend == "paper" and attn_mask is not None and attn_mask.requires_grad and \
+            torch.is_grad_enabled():
+        raise NotInKernel("backend='paper' gives attn_mask no gradient, and this mask "
+                          "requires grad; use backend='reference' or attn_mask.detach()")
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
         q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
         o32_out is not None, attn_mask, None if softcap is None else float(softcap))

@@ -174,10 +174,6 @@ def check_mask(attn_mask, q: torch.Tensor, k: torch.Tensor) -> None:
     if attn_mask.device != q.device:
         raise ValueError(f"attn_mask is on {attn_mask.device} but q on {q.device}; move it "
                          f"with attn_mask.to(q.device)")
-    if attn_mask.requires_grad:
-        raise ValueError("attn_mask requires grad, but flashwatch.attention gives no "
-                         "gradient to the mask; pass attn_mask.detach() or use SDPA for a "
-                         "learned bias")
 
 
 def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_mask=None,

@@ -5,13 +5,14 @@
                                        attn_mask=None, softcap=None)
         -> (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H])
     torch.ops.flashwatch.attention_bwd(do, q, k, v, o, o32, lse, modes, causal, scale,
-                                       backend, attn_mask=None, softcap=None)
-        -> (dq, dk, dv)
+                                       backend, attn_mask=None, softcap=None,
+                                       mask_grad=False) -> (dq, dk, dv, dmask)
 
 attn_mask (bool or additive float, broadcastable to [B, H, Nq, Nk]) and softcap run on
 the reference backend (softcap: not "paper"); the Triton kernels take neither yet, so
-`flashwatch.attention` refuses them there before calling (the op would too). The mask
-gets no gradient.
+`flashwatch.attention` refuses them there before calling (the op would too). A float
+mask that requires grad gets one (reference): attention_bwd(..., mask_grad=True) returns
+it as a 4th output (empty otherwise).
 
 `backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
 TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper"
@@ -115,8 +116,9 @@ def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, ba
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   o: torch.Tensor, o32: torch.Tensor, lse: torch.Tensor, modes: torch.Tensor,
                   causal: bool, scale: float, backend: str,
-                  attn_mask: torch.Tensor | None = None, softcap: float | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  attn_mask: torch.Tensor | None = None, softcap: float | None = None,
+                  mask_grad: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
     if backend == "triton":
@@ -125,22 +127,25 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         # place, no gather (a boolean index is a host sync on CUDA).
         from . import triton_attention
 
-        return triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
-                                         scale=scale)
+        return (*triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
+                                           scale=scale), q.new_empty(0))
     if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
         o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
+    dmask = [] if mask_grad else None
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
                                        scale=scale, modes=modes,
                                        arithmetic=_arithmetic(backend),
-                                       attn_mask=attn_mask, softcap=softcap)
-    return _like(dq, q), _like(dk, k), _like(dv, v)
+                                       attn_mask=attn_mask, softcap=softcap, dmask_out=dmask)
+    dmask = dmask[0].contiguous() if dmask else q.new_empty(0)
+    return _like(dq, q), _like(dk, k), _like(dv, v), dmask
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend,
-                        attn_mask=None, softcap=None):
-    return empty_out(q), empty_out(k), empty_out(v)
+                        attn_mask=None, softcap=None, mask_grad=False):
+    dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
+    return empty_out(q), empty_out(k), empty_out(v), dmask
 
 
 def _setup_context(ctx, inputs, output):
@@ -152,6 +157,9 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, o32, max_logit)
     ctx.save_for_backward(q, k, v, o, lse, o32, modes, attn_mask)
     ctx.causal, ctx.scale, ctx.backend, ctx.softcap = causal, scale, backend, softcap
+    # A float mask that requires grad (a learned bias, e.g. T5's) gets dS summed to its
+    # shape (reference only: the paper arithmetic refuses in its backward).
+    ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
 
 
 def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
@@ -159,9 +167,11 @@ def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
     # with its own strides (a transposing model's dO is a strided view): every backend
     # takes any strides, the Triton kernels copy only if the last dim is not contiguous.
     q, k, v, o, lse, o32, modes, attn_mask = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do, q, k, v, o, o32, lse, modes, ctx.causal, ctx.scale,
-                               ctx.backend, attn_mask, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, o32, lse, modes, ctx.causal,
+                                      ctx.scale, ctx.backend, attn_mask, ctx.softcap,
+                                      ctx.mask_grad)
+    dmask = dmask if ctx.mask_grad else None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dmask, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

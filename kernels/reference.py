@@ -233,20 +233,32 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
 
 
 def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, arithmetic="fused",
-             block_n=BLOCK_N, block_m=BLOCK_M, attn_mask=None, softcap=None):
+             block_n=BLOCK_N, block_m=BLOCK_M, attn_mask=None, softcap=None,
+             dmask_out: list | None = None):
     """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used.
     o32: [B, H32, Nq, D] for the FP32_O heads or None. arithmetic as in `forward` (block_n
-    and block_m apply to "fused" only). attn_mask, softcap: those of the forward."""
+    and block_m apply to "fused" only). attn_mask, softcap: those of the forward.
+    dmask_out ("fused", a float attn_mask): a list that receives the mask's gradient, in
+    its shape and dtype (a bias such as T5's is learned); costs an FP32 [B, H, Nq, Nk]."""
     if arithmetic == "paper":
+        if dmask_out is not None:
+            raise ValueError("the paper arithmetic gives attn_mask no gradient; use the "
+                             "fused arithmetic (backend='reference') or detach the mask")
         return paper.backward(do, q, k, v, o, lse, o32, causal=causal, scale=scale,
                               modes=modes, attn_mask=attn_mask)
+    dm = None
+    if dmask_out is not None:
+        dm = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], device=q.device)
     with no_autocast(q.device):
-        return _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m,
-                         _full_mask(attn_mask, q, k), softcap)
+        res = _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m,
+                        _full_mask(attn_mask, q, k), softcap, dm)
+    if dm is not None:  # the broadcast dims summed back to the mask's own shape
+        dmask_out.append(dm.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
+    return res
 
 
 def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m, mask,
-              softcap):
+              softcap, dm=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -277,6 +289,8 @@ def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m, 
             dv[:, :, k0:k1] += torch.matmul(lo(p).transpose(-1, -2), doc)
             dp = torch.matmul(doc, vb.transpose(-1, -2))
             ds = p.mul_(dp.sub_(delta_c))
+            if dm is not None:  # the mask is added after the cap: its gradient is dS
+                dm[:, :, q0:q1, k0:k1] = ds
             if t is not None:  # through s = cap·tanh(s_raw/cap): ds_raw = ds·(1 - tanh²)
                 ds = ds.mul_(1 - t.square())
             ds = lo(ds)
@@ -297,6 +311,7 @@ class ReferenceAttention(torch.autograd.Function):
         if stats is not None:
             stats.add_(res.tied_rows, res.rows, res.guarded_rows, res.max_logit)
         ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
+        ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
         ctx.causal, ctx.scale, ctx.modes, ctx.arithmetic = causal, scale, modes, arithmetic
         ctx.attn_mask, ctx.softcap = attn_mask, softcap
         return res.o
@@ -304,10 +319,13 @@ class ReferenceAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, o32 = ctx.saved_tensors
+        dmask = [] if ctx.mask_grad else None
         dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
                                  modes=ctx.modes, arithmetic=ctx.arithmetic,
-                                 attn_mask=ctx.attn_mask, softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                 attn_mask=ctx.attn_mask, softcap=ctx.softcap,
+                                 dmask_out=dmask)
+        dmask = dmask[0] if dmask else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dmask, None
 
 
 def attention(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0, eps=1e-3,

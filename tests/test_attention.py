@@ -180,7 +180,8 @@ def _within_rule(out, pt, truth, dtype, what):
     gradient (N = 1: pt's dq, dk are exactly 0 while a kernel's δ = rowsum(dO∘O) leaves
     FP32 rounding of the size of dv)."""
     floor = FLOOR[dtype] * max(1.0, *(t.abs().max().item() for t in truth))
-    for name, a, b, t in zip(("O", "dq", "dk", "dv"), out, pt, truth, strict=True):
+    names = ("O", "dq", "dk", "dv", "dmask")[:len(out)]
+    for name, a, b, t in zip(names, out, pt, truth, strict=True):
         e, e_pt = (a - t).abs().max().item(), (b - t).abs().max().item()
         assert e <= 2 * e_pt + floor, f"{what} {name}: {e:.3g} > 2×{e_pt:.3g} + {floor:g}"
 
@@ -265,6 +266,31 @@ def test_softcap_as_gemma2_within_the_rule_with_exact_counters(dtype, N):
     tied, max_logit = _brute(q, k, **kw)
     assert torch.equal(stats.max_logit, max_logit) and stats.tied_rows.tolist() == tied.tolist()
     assert max_logit.max() < 3.0 and (N == 1 or max_logit.min() > 2.0)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 7, 7), (7, 7), (2, 1, 7, 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_learned_bias_gets_its_gradient_within_the_rule(dtype, shape):
+    """A float attn_mask that requires grad (T5's relative position bias): its gradient
+    is dS summed over the broadcast dims, held to the 2× rule like dq, dk, dv; causal and
+    softcap on top, since both change dS."""
+    g = torch.Generator().manual_seed(len(shape))
+    q, k, v, do = (torch.randn(2, 3, 7, 16, generator=g).to(dtype) for _ in range(4))
+    bias = torch.randn(shape, generator=g).to(dtype)
+    kw = dict(causal=True, softcap=2.0)
+
+    def grads(fn, dt):
+        b = bias.detach().to(dt).requires_grad_(True)
+        out = _fwd_bwd(lambda x, y, z: fn(x, y, z, b), q, k, v, do)
+        return [*out, b.grad.double()]
+
+    out = grads(lambda x, y, z, b: fw.attention(x, y, z, attn_mask=b, head_modes=MODES3,
+                                                **kw), dtype)
+    truth = grads(lambda x, y, z, b: _math(x, y, z, torch.float64, attn_mask=b, **kw),
+                  torch.float64)
+    pt = grads(lambda x, y, z, b: _math(x, y, z, dtype, attn_mask=b, **kw), dtype)
+    assert out[4].shape == shape and truth[4].abs().max() > 0
+    _within_rule(out, pt, truth, dtype, f"bias {shape}")
 
 
 def test_triton_refuses_a_mask_before_running_anything():

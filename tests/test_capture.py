@@ -23,6 +23,8 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(32, 96)
         self.n_head = 2
         self.kind = kind
+        if kind == "bias":  # a learned additive bias, as T5's relative positions
+            self.bias = nn.Parameter(0.5 * torch.randn(1, 2, 8, 8))
 
     def forward(self, x):
         B, T, C = x.shape
@@ -37,6 +39,8 @@ class Attention(nn.Module):
         if self.kind == "mask":  # causal with the first 2 keys padded out, as a bool mask
             mask = torch.ones(T, T, dtype=torch.bool).tril()
             mask[:, :2] = False
+        elif self.kind == "bias":
+            mask = self.bias
         elif self.kind == "float_mask":  # the same as an additive float mask, per batch
             hidden = torch.ones(T, T, dtype=torch.bool).triu(1)
             hidden[:, :2] = True
@@ -136,3 +140,20 @@ def test_a_masked_sdpa_call_is_routed_with_its_mask():
             ("layers.0", 0, Mode.FP32_O)], kind
         assert abs(out.item() - expected) <= 1e-4 * max(1.0, abs(expected)), kind
         w.remove()
+
+
+def test_a_learned_bias_passed_as_attn_mask_is_routed_and_gets_its_gradient():
+    torch.manual_seed(0)
+    model = Two(Attention("bias"), Attention("sdpa"))
+    x = torch.randn(2, 8, 32)
+    model(x).backward()
+    want = model.layers["0"].bias.grad.clone()
+    model.zero_grad()
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("layers.0", [Mode.FP32_O, Mode.STANDARD])
+    model(x).backward()
+    report = w.step()
+    assert report.unmitigable == {}
+    got = model.layers["0"].bias.grad
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max() and want.abs().max() > 0
+    w.remove()
