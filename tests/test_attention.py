@@ -308,3 +308,14 @@ def test_a_masked_softcapped_call_compiles_fullgraph_and_matches_eager():
     fn = torch.compile(lambda a, b, c: fw.attention(a, b, c, attn_mask=mask, softcap=4.0),
                        fullgraph=True, backend="eager")
     assert torch.equal(fn(q, k, v), fw.attention(q, k, v, attn_mask=mask, softcap=4.0))
+
+
+def test_the_kernels_level_reference_takes_the_same_mask_and_softcap_bit_for_bit():
+    q, k, v = (t.requires_grad_(True) for t in _qkv(shape=(2, 3, 40, 16)))
+    bias = torch.randn(1, 3, 40, 40).requires_grad_(True)
+    kw = dict(attn_mask=bias, softcap=3.0, causal=True, head_modes=MODES3)
+    got = [R.attention(q, k, v, **kw)]
+    got += torch.autograd.grad(got[0].float().sum(), (q, k, v, bias))
+    want = [fw.attention(q, k, v, **kw)]
+    want += torch.autograd.grad(want[0].float().sum(), (q, k, v, bias))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
