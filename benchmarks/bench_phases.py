@@ -39,6 +39,8 @@ def time_parts() -> dict:
     run. Indentation in the names: called inside the one above."""
     import functools
 
+    from flashwatch import capture as C
+    from flashwatch import monitored_step as M
     from flashwatch import policy, probe, reduce, signals
     from flashwatch import watcher as W
 
@@ -57,7 +59,7 @@ def time_parts() -> dict:
         setattr(owner, attr, wrapper)
         spent[name] = 0.0
 
-    make_hook = W.Watcher._grad_hook
+    make_hook = C.Recorder._grad_hook
 
     def grad_hook(self, *args):  # the hook made per call, timed where autograd runs it
         hook = make_hook(self, *args)
@@ -69,21 +71,21 @@ def time_parts() -> dict:
             finally:
                 spent["gradient hook (c)"] += time.perf_counter() - t0
         return timed_hook
-    W.Watcher._grad_hook = grad_hook
+    C.Recorder._grad_hook = grad_hook
     for owner, attr, name in (
-            (W.Watcher, "_probe", "probe (forward)"), (probe, "recompute", "  recompute"),
+            (C.Recorder, "_probe", "probe (forward)"), (probe, "recompute", "  recompute"),
             (None, None, "gradient hook (c)"),
             (probe, "totals", "probe.totals (backward and step())"),
-            (W, "wq_grad_sq", "‖dW^Q‖² hook (backward)"), (W.Watcher, "step", "step()"),
-            (W.Watcher, "_build_report", "  _build_report"),
-            (W, "spectral_norms", "    W^Q spectral norms"),
+            (C, "wq_grad_sq", "‖dW^Q‖² hook (backward)"), (W.Watcher, "step", "step()"),
+            (M.StepPipeline, "run", "  StepPipeline.run"),
+            (M, "spectral_norms", "    W^Q spectral norms"),
             (signals.HeadSignals, "update", "    HeadSignals.update"),
             (policy.Policy, "decide", "    Policy.decide"),
-            (reduce, "all_reduce", "    reduce.all_reduce")):
+            (reduce, "exchange", "    reduce.exchange")):
         if owner is None:
             spent[name] = 0.0
         else:
-            timed(owner, attr, name)  # W.spectral_norms, W.wq_grad_sq: the names it calls
+            timed(owner, attr, name)  # M.spectral_norms, C.wq_grad_sq: the names they call
     return spent
 
 
@@ -109,7 +111,7 @@ def main() -> None:
     clock = time.perf_counter
     for step in range(args.steps):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
-        monitored = w._monitoring  # this step's report comes from its step()
+        monitored = w._cadence.monitoring  # this step's report comes from its step()
         if spent is not None and step == args.every:
             spent.update(dict.fromkeys(spent, 0.0))  # as the phases: from the 2nd cycle on
         for j in ((0, 1) if step % 2 else (1, 0)):

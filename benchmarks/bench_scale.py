@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import flashwatch as fw  # noqa: E402
-import flashwatch.watcher as fw_watcher  # noqa: E402
+import flashwatch.monitored_step as fw_step  # noqa: E402
 from flashwatch import HeadRecord, Mode, StepReport  # noqa: E402
 from flashwatch.integrations.prometheus import PrometheusSink  # noqa: E402
 from flashwatch.sinks import DEFAULT_FULL_EVERY, JsonlSink  # noqa: E402
@@ -108,10 +108,10 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
     torch.manual_seed(0)
     model = Model(n_layer, n_head, d_head)
     w = fw.watch(model, every_n_steps=1)
-    timers = dict(power=Timer(fw_watcher, "spectral_norms"),
-                  reduce=Timer(fw_watcher.reduce, "all_reduce"),
-                  signals=Timer(type(w._signals), "update"),
-                  policy=Timer(type(w._policy), "decide"))
+    timers = dict(power=Timer(fw_step, "spectral_norms"),
+                  reduce=Timer(fw_step.reduce, "exchange"),
+                  signals=Timer(type(w._pipeline.signals), "update"),
+                  policy=Timer(type(w._pipeline.policy), "decide"))
     prom = PrometheusSink(start_server=False)
     tmp = tempfile.TemporaryDirectory()
     jsonl_full = JsonlSink(pathlib.Path(tmp.name) / "full.jsonl", full_every=1)
@@ -126,7 +126,7 @@ def measure(n_layer, n_head, d_head, seq, steps) -> dict:
         t0 = time.perf_counter()
         model(x).square().mean().backward()
         train = time.perf_counter() - t0
-        probe = w._monitor_seconds
+        probe = w._ledger.seconds
         for t in timers.values():
             t.take()
         t0 = time.perf_counter()

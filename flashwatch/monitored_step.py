@@ -94,6 +94,17 @@ class StepPipeline:
         events withdrawn for it (local facts: each rank reports its own)."""
         not_applied, withdrawn = {}, []
         for st in self.states:
+            reason = self._not_applied(st)
+            if reason is not None:  # say so, never claim the modes applied
+                not_applied[st.site.name] = reason
+                if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
+                    self.ledger.error(f"mitigation {st.site.name}", RuntimeError(reason))
+                    withdrawn += self._withdraw(st, reason)
+                    st.silent_reported |= not st.buf.calls  # said, with its modes
+            elif st.routed_calls > 0:
+                self.confirmed += [e for e in st.pending if e.applied]
+                st.pending.clear()  # seen run: the events stand
+                st.unmitigable = None
             if st.buf.forwards and not st.buf.calls and not st.silent_reported:
                 st.silent_reported = True  # logged and counted once
                 self.ledger.error(f"attention of {st.site.name}", RuntimeError(
@@ -102,16 +113,6 @@ class StepPipeline:
                     f"attention or flashwatch.attention): its ties, max logit and δ error "
                     f"are NaN and QK-clip cannot act there; make it call SDPA (Hugging "
                     f"Face: attn_implementation='sdpa') or leave it out of `sites`"))
-            reason = self._not_applied(st)
-            if reason is not None:  # say so, never claim the modes applied
-                not_applied[st.site.name] = reason
-                if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
-                    self.ledger.error(f"mitigation {st.site.name}", RuntimeError(reason))
-                    withdrawn += self._withdraw(st, reason)
-            elif st.routed_calls > 0:
-                self.confirmed += [e for e in st.pending if e.applied]
-                st.pending.clear()  # seen run: the events stand
-                st.unmitigable = None
             st.module_calls = st.routed_calls = st.fallback_calls = 0
         return not_applied, withdrawn
 
