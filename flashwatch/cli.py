@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", help="train a small GPT on CPU in BF16 with flashwatch switched on",
-        description="Train a small GPT (examples/gpt.py) on CPU in BF16 autocast with the "
+        description="Train a small GPT (flashwatch/nanogpt.py) on CPU in BF16 autocast with the "
                     "watcher, the JSONL and console sinks and the Prometheus exporter; "
                     "writes a run directory that `flashwatch report` reads.")
     demo.add_argument("--steps", type=_positive, default=600, help="optimizer steps (600)")

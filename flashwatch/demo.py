@@ -151,14 +151,8 @@ class _StopOnSigint:
 
 
 def _example_gpt():
-    """examples/gpt.py from the checkout this package is installed from (editable)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "examples" / "gpt.py").is_file():
-        raise RuntimeError(f"flashwatch demo needs examples/gpt.py of a flashwatch checkout "
-                           f"(looked in {root}); run it from a clone with `make demo`")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    from examples.gpt import GPT, GPTConfig
+    """The demo's model: flashwatch/nanogpt.py."""
+    from flashwatch.nanogpt import GPT, GPTConfig
 
     return GPT, GPTConfig
 

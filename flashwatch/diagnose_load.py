@@ -5,7 +5,7 @@ Checkpoints (`load_model`):
                                  local_files_only=True and attn_implementation="sdpa"
   a file (ckpt.pt)               nanoGPT's format: {"model_args": {...}, "model": state
                                  dict} (torch.compile's "_orig_mod." prefixes allowed),
-                                 built as examples/gpt.py's GPT (nanoGPT's module names)
+                                 built as flashwatch/nanogpt.py's GPT (nanoGPT's module names)
   module:function                an importable function returning the model
 Data (`load_tokens`): nanoGPT's .bin (uint16 memmap), .npy, .pt (a tensor of token ids,
 1-D stream or 2-D rows), or any other file as UTF-8 text, tokenized with the
@@ -56,12 +56,7 @@ def _nanogpt(path: Path) -> nn.Module:
         raise ValueError(f"{path} is not a nanoGPT checkpoint (a dict with 'model_args' and "
                          f"'model'; found {keys}); for other formats pass module:function "
                          "returning the model")
-    try:
-        from examples.gpt import GPT, GPTConfig
-    except ImportError as e:
-        raise RuntimeError("nanoGPT checkpoints are built with examples/gpt.py, which is "
-                           "importable from a flashwatch source checkout only; run from "
-                           "there or pass module:function returning your model") from e
+    from flashwatch.nanogpt import GPT, GPTConfig
     args = {k: v for k, v in ckpt["model_args"].items() if k in NANOGPT_ARGS}
     model = GPT(GPTConfig(**args))
     state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
