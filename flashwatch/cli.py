@@ -42,7 +42,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         written = make_report(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, ImportError) as e:  # ImportError: no [report]
         print(f"flashwatch report: error: {e}", file=sys.stderr)
         return 2
     for p in written:
