@@ -184,3 +184,10 @@ def test_design_module_map_names_every_module():
                for p in sorted((ROOT / d).glob("*.py"))
                if p.name != "__init__.py" and p.name not in section]
     assert not missing, f"docs/design.md §2 (module map) does not name {missing}"
+
+
+def test_readme_stays_a_ten_minute_read():
+    """≤ 250 lines: what it is, the two commands, three quickstarts, the metrics, what to
+    do, results, links; everything else lives in docs/."""
+    n = len(README.read_text().splitlines())
+    assert n <= 250, f"README.md has {n} lines; move detail to docs/ and link it"
