@@ -173,5 +173,6 @@ def _print_next_steps(out: Path, exporter, stream) -> None:
           f"  flashwatch.jsonl, train.jsonl, watcher_state.pt, head_modes.json, summary.json\n"
           f"plots and a summary:  flashwatch report {out}", file=stream)
     if exporter is not None:
-        print("Prometheus: add a scrape job for 127.0.0.1:<port> (see README, Prometheus);\n"
-              "Grafana: import the dashboard from dashboards/ (see README)", file=stream)
+        print("Prometheus: add a scrape job for 127.0.0.1:<port> (see docs/dashboards.md);\n"
+              "Grafana: import the dashboard from dashboards/ (see docs/dashboards.md)",
+              file=stream)

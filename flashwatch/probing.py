@@ -200,7 +200,7 @@ class ProbeRecorder:
                             c_all = c_all.masked_fill(fp32_heads[None, :, None], 0.0)
                         # The sampled rows' c is the kernel's own: exactly what FP32_O
                         # removes. Elsewhere it is against the probe's FP32 recomputation,
-                        # which also counts the rounding of P̄ in O (reads high: README).
+                        # which also counts the rounding of P̄ in O (reads high: docs/limits.md).
                         c = c_all[b, :, t]  # [R, H]
                         sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.buf.delta_rows += c_all.shape[0] * c_all.shape[2]

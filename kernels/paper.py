@@ -35,7 +35,7 @@ The tie rule has no underflow guard. A tied block with max m > 0 is shifted by �
 P̄ at the max is exp(-(β-1)·m). With β = 2: above m ≈ 23 the block sum falls below the
 1e-10 floor and O = acc / 1e-10 shrinks by the factor l/1e-10 (m = 30: O ≈ 0.002 of
 the truth); above m ≈ 92, P̄ is below BF16's smallest subnormal (9.2e-41) and O is
-exactly 0 (README has counts for logits 250 and 2,500).
+exactly 0 (docs/paper_arithmetic.md has counts for logits 250 and 2,500).
 
 Mode.FP32_O (the paper's diagnosis, δ from an O kept in FP32): the forward is the
 STANDARD one above and returns the same BF16 O and LSE. Alongside, for these heads, it

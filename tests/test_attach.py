@@ -57,8 +57,11 @@ def _flashwatch_calls_and_ops(fn):
     roots = tuple(os.path.dirname(m.__file__) + os.sep for m in (fw, fw.kernels))
     calls = collections.Counter()
 
+    model_file = os.path.join(os.path.dirname(fw.__file__), "nanogpt.py")  # the model's
+
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_filename.startswith(roots):
+        name = frame.f_code.co_filename
+        if event == "call" and name.startswith(roots) and name != model_file:
             calls[frame.f_code.co_name] += 1
 
     class Ops(TorchDispatchMode):
