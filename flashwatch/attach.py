@@ -75,7 +75,7 @@ def watched_class(base: type) -> type:
         def forward(module, *args, **kwargs):
             link = module.__dict__.get(LINK)
             rec = None if link is None else link.recorder
-            # Recorder.active(), inlined: this runs on every forward of every step
+            # routed, or a measured step (read inline: this runs on every forward)
             if rec is not None and not rec.cadence.removed and (
                     link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
                 if link.st.compiled.traced and torch.compiler.is_compiling():

@@ -3,7 +3,7 @@
 The Recorder is the one interface flashwatch/attach.py (eager forwards, hooks) and
 flashwatch/traced.py (compiled forwards) call into:
 
-    active(st)                   does this layer's forward need us now (routed, measured)?
+    cadence                      routed or measured step: attach.py reads it inline
     on_sdpa / interceptor(st)    an F.scaled_dot_product_attention / flashwatch.attention
                                  call of a watched layer: route it to flashwatch's kernel
                                  with the layer's modes, probe it on measured steps
@@ -58,10 +58,6 @@ class Recorder(ProbeRecorder):
         super().__init__(config, states, cadence, ledger)
         self.owner = owner  # the Watcher: kept alive as long as its model holds us
         self.attachment = None  # set by the Watcher (flashwatch/attach.py)
-
-    def active(self, st: LayerState) -> bool:
-        """The layer's forward goes through us: routed, or a measured step."""
-        return not self.cadence.removed and (st.routed or self.cadence.measuring)
 
     def wq_grad_hook(self, st: LayerState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the

@@ -131,23 +131,20 @@ def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **k
     carries, so every rank stops at the same iteration with a RemoteFailure. On the
     monitor's own group when it spans the mesh's ranks (the usual 1-D FSDP2 mesh), else
     on the mesh's group (HSDP and other sub-meshes: docs/limits.md)."""
+    group = site.wq_source.rows_of[0].weight.device_mesh.get_group(0)  # is_row_sharded
     error = None
     try:
-        rows, head, group = local_wq_rows(site)
-    except Exception as e:
+        rows, head, _ = local_wq_rows(site)
+    except Exception as e:  # take part with no rows and the failure flag up
         error = e
-        rows = torch.zeros(0, site.d_model)
-        head = torch.zeros(0, dtype=torch.int64)
-        group = None
-        w = site.wq_source.rows_of[0].weight
-        group = w.device_mesh.get_group(0)
+        rows, head = torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64)
     host = monitor is not None and monitor.distributed and monitor.covers(group)
     try:
         got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
                                       group=monitor.group if host else group,
                                       failed=error is not None, host=host, **kwargs)
     except Exception as e:
-        return error if error is not None else e
+        got = e
     return error if error is not None else got
 
 
