@@ -180,14 +180,9 @@ class Recorder(ProbeRecorder):
                                                head_modes=head_modes, beta=beta, eps=eps,
                                                stats=stats, backend=backend,
                                                attn_mask=attn_mask, softcap=softcap)
-            if self.cadence.measuring and softcap is not None:
-                # The probe's FP32 recomputation has no softcap: its δ rows would be of
-                # another function. The kernel's exact ties and max logit still count.
-                self.warn_once(st, "softcap", f"flashwatch: {st.site.name} calls "
-                               f"flashwatch.attention with softcap={softcap}; its δ error is "
-                               f"not sampled (ties and max logit are exact)")
-            elif self.cadence.measuring:
-                self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True)
+            if self.cadence.measuring:
+                self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True,
+                                 softcap=softcap)
             return out
         return intercept
 

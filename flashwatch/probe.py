@@ -47,7 +47,8 @@ def flat(elems, t):
     return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
 
 
-def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float):
+def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float,
+              softcap: float | None = None):
     """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
     element elems[j] (element j if elems is None; `sample_rows`; `flat` gives (b, t)).
 
@@ -55,10 +56,12 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
     query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa; never repeated
     here, so K and V are upcast once per KV head, not per query head). attn_mask as
     SDPA's: bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
+    softcap: Gemma2's s = softcap·tanh(s/softcap) on the scaled scores, before the masks,
+    as flashwatch.attention computes it (ties and row max are of the capped scores).
     Returns o32 [E·w, H, D], pk [E·w, H, D], tied [E·w, H] bool, row_max [E·w, H] (fp32).
     """
     with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
-        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps)
+        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap)
 
 
 # FP32 K and V of at most this many bytes per chunk of batch elements: all of them at
@@ -67,7 +70,7 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
 CHUNK_BYTES = 32 << 20
 
 
-def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
+def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap):
     B, H, Nq, D = q.shape
     G, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if H % G or v.shape[1] != G:
@@ -96,6 +99,8 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps):
         # The H/G query heads of each KV head as one [H/G·w, D] block against it.
         s = smallops.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(
             n, H, w, Nk) * scale  # [n, H, w, Nk]
+        if softcap is not None:
+            s = torch.tanh(s / softcap).mul_(softcap)
         if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
             hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
             s = s + torch.zeros(hidden.shape, dtype=s.dtype, device=q.device).masked_fill_(

@@ -38,7 +38,8 @@ class ProbeRecorder:
     def warn_once(self, st: LayerState, key: str, message: str) -> None:
         self.ledger.warn_once((st.site.name, key), message)
 
-    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True):
+    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True,
+                    softcap=None):
         """The probe on an eager call; grad=False: its ties and max logit only."""
         t0 = time.perf_counter()
         try:
@@ -47,7 +48,8 @@ class ProbeRecorder:
                 if grad:
                     self._hook_recompute(st, out)
             else:
-                got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x)
+                got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
+                                  softcap)
                 if got is not None and grad:
                     if out.requires_grad:  # the hook goes on the tensor autograd sees
                         out.register_hook(self._grad_hook(st, *got))
@@ -94,7 +96,7 @@ class ProbeRecorder:
                             f"further backward through a reduced call, or a backward "
                             f"after step()); its δ error is not measured")
 
-    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x):
+    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None):
         """Sample rows of the call, recompute them in FP32, keep their Sample; returns
         (sample, every_row, rows of the call) for the gradient step, None if not probed."""
         cfg = self.config
@@ -115,7 +117,8 @@ class ProbeRecorder:
             b, t = probe.flat(elems, tq)
             st.buf.sampled = st.buf.sampled or len(b) < B * Nq  # G from some rows only
             o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
-                                                     scale=scale, attn_mask=mask, eps=cfg.eps)
+                                                     scale=scale, attn_mask=mask, eps=cfg.eps,
+                                                     softcap=softcap)
             o_used = out[b, :, t].float()
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
             fp32_dev = None
@@ -132,22 +135,7 @@ class ProbeRecorder:
                 # are saved for the backward anyway: holding them costs no memory.
                 every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_dev,
                              st.buf.o32_paper)
-            # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
-            # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
-            share_w = None
-            if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
-                    x.shape[2] == st.site.d_model:
-                xr = x.detach()[b, t].float()
-                z = smallops.matmul(xr, omega_x)  # [R, k]
-                f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
-                share_w = (scale ** 2 * B * Nq / len(b)) * (
-                    xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
-            else:
-                if x is not None:
-                    self.warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
-                                    f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
-                                    f"using q-space sketch terms")
-                z = smallops.matmul(q[b, :, t].float(), omega_q)  # [R, H, k]
+            z, share_w = self._sketch_terms(st, q, x, b, t, pk, scale, omega_x, omega_q)
             y = smallops.matmul(pk, omega_a)  # [R, H, k]
         sample = probe.Sample(heads=heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
                               share_w=share_w, d=probe.o_error(o_used, o32),
@@ -155,6 +143,25 @@ class ProbeRecorder:
         st.buf.samples.append(sample)
         st.buf.probe_rows += len(b)  # with its ties, never apart from them
         return sample, every_row, B * Nq
+
+    def _sketch_terms(self, st, q, x, b, t, pk, scale, omega_x, omega_q):
+        """z[T] (Ω_xᵀ X[T] [R, k], or Ω_qᵀ q[T] [R, H, k] without a usable X) and the
+        error share's weights ([R, H] float64, None without X)."""
+        B, _, Nq, _ = q.shape
+        # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
+        # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
+        if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
+                x.shape[2] == st.site.d_model:
+            xr = x.detach()[b, t].float()
+            f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
+            share_w = (scale ** 2 * B * Nq / len(b)) * (
+                xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
+            return smallops.matmul(xr, omega_x), share_w
+        if x is not None:
+            self.warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
+                            f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
+                            f"using q-space sketch terms")
+        return smallops.matmul(q[b, :, t].float(), omega_q), None
 
     def _hook_recompute(self, st, out):
         """Activation checkpointing's recompute of a call already counted: count nothing

@@ -86,6 +86,32 @@ def test_recompute_of_grouped_query_attention_matches_repeated_kv(kv_heads):
                         scale=0.3, eps=1e-3)
 
 
+@pytest.mark.parametrize("cap", [50.0, 2.0])
+def test_recompute_applies_softcap_before_the_masks(cap):
+    """Gemma2's softcapping, s = cap·tanh(s/cap), then causal and a bool mask: what
+    flashwatch.attention(softcap=) computes. cap 2 bends every score (|s| up to ~6)."""
+    g = torch.Generator().manual_seed(8)
+    B, H, N, D = 2, 2, 23, 16
+    q, k, v = (2 * torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
+    mask = torch.rand(B, 1, N, N, generator=g) > 0.2
+    mask[..., 0] = True
+    elems, tq = probe.sample_rows(g, B, N, 12)
+    b, t = probe.flat(elems, tq)
+    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25,
+                                             attn_mask=mask, eps=1e-3, softcap=cap)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25
+    s = cap * torch.tanh(s / cap)
+    s = s.masked_fill(causal_mask(N, N) | ~mask, -math.inf)
+    p = torch.softmax(s, -1)
+    assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
+    assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
+    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
+                          atol=1e-5)
+    assert row_max.max() < cap
+    want_tied = (s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2
+    assert torch.equal(tied, _rows(want_tied, b, t))
+
+
 def test_recompute_ignores_the_users_autocast():
     g = torch.Generator().manual_seed(4)
     q, k, v = (3 * torch.randn(2, 2, 30, 16, generator=g).bfloat16() for _ in range(3))
@@ -207,3 +233,48 @@ def test_sketch_is_the_projected_wq_gradient_error():
     assert want.abs().max() > 1e-4
     rel = ((alpha * G - want).abs().max() / want.abs().max()).item()
     assert rel < 1e-3, rel
+
+
+class _SoftcappedAttention(torch.nn.Module):
+    """A layer calling flashwatch.attention(softcap=) as Gemma2 would: cap 1 bends
+    every score, so a probe without the softcap would recompute another function."""
+
+    def __init__(self, C=32, H=2, cap=1.0):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(C, C) for _ in range(3))
+        self.n_head, self.cap = H, cap
+
+    def heads(self, x):
+        B, T, C = x.shape
+        return [p(x).view(B, T, self.n_head, -1).transpose(1, 2)
+                for p in (self.q_proj, self.k_proj, self.v_proj)]
+
+    def forward(self, x):
+        import flashwatch as fw
+        q, k, v = self.heads(x)
+        o = fw.attention(q, k, v, causal=True, softcap=self.cap)
+        return o.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_watched_softcapped_call_is_probed_with_its_softcap():
+    """Every row's δ error and the exact max logit of the capped scores (FP64 here)."""
+    import flashwatch as fw
+    torch.manual_seed(3)
+    B, T, C, H, cap = 2, 12, 32, 2, 1.0
+    model = _SoftcappedAttention(C, H, cap).bfloat16()
+    x = torch.randn(B, T, C).bfloat16()
+    w = fw.watch(model, sites={"": dict(num_heads=H, q_module="q_proj")}, every_n_steps=1,
+                 rows_per_head=4)
+    model(x).float().sum().backward()
+    report = w.step()
+    w.remove()
+    assert w.monitor_errors_total == 0
+    with torch.no_grad():
+        q, k, v = (t.double() for t in model.heads(x))
+    s = cap * torch.tanh((q @ k.transpose(-1, -2)) * (C // H) ** -0.5 / cap)
+    s = s.masked_fill(causal_mask(T, T), -math.inf)
+    want_max = s.amax((0, 2, 3))
+    for h, rec in enumerate(report.heads):
+        assert rec.delta_error_rows == B * T  # 0 when the probe skipped softcapped calls
+        assert rec.attention_max_logit == pytest.approx(float(want_max[h]), abs=2e-2)
+        assert rec.attention_max_logit < cap
