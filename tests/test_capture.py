@@ -1,17 +1,22 @@
 """flashwatch/capture.py: what a watched layer's calls record, on the models people
 train: KV-cached generation inside a monitored step, layers without an attention call
-flashwatch sees, and counters that count only what ran."""
+flashwatch sees, counters that count only what ran, routed calls (masks, autocast dtypes,
+the WatchConfig's β and eps) and activation checkpointing (each forward counted once)."""
 
 from __future__ import annotations
 
 import logging
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import SMALL, SmallAttention, batch, checkpointed, comparable, train
 from torch import nn
 
 import flashwatch as fw
+from examples.gpt import GPT, GPTConfig
+from flashwatch import dispatch as fw_dispatch
 from flashwatch.kernels.common import Mode
 
 
@@ -176,3 +181,143 @@ def test_a_masked_call_the_triton_kernels_cannot_run_stays_on_sdpa_without_an_er
     assert "Triton kernels take no attn_mask" in report.unmitigable["layers.0"]
     assert report.monitor_errors_total == 1  # the unmitigable layer's, no routing error
     w.remove()
+
+
+def test_autocast_rotary_style_mixed_dtypes_are_routed_in_the_autocast_dtype():
+    def rotaryish(q, k, v):  # like HF Llama under autocast: FP32 q, k (rotary), BF16 v
+        return F.scaled_dot_product_attention(q.float(), k.float(), v, is_causal=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(SmallAttention(rotaryish))
+    w = fw.watch(model, every_n_steps=1)
+    w.set_head_modes("0", [Mode.BETA, Mode.FP32_O])
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        q, k, v = (t.view(2, 8, 2, -1).transpose(1, 2) for t in model[0].c_attn(x).split(32, 2))
+    want = fw.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), causal=True,
+                        head_modes=[Mode.BETA, Mode.FP32_O])
+    out.float().sum().backward()
+    r = w.step()
+    assert w.monitor_errors_total == 0 and r.unmitigable == {}
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert all(math.isfinite(h.delta_error_sum) for h in r.heads)
+
+
+def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
+        monkeypatch, caplog):
+    def calls_with_beta(q, k, v, beta):  # a model that passes its own β and eps
+        return fw.attention(q, k, v, causal=True, head_modes=[Mode.BETA] * 2, beta=beta,
+                            eps=1e-2)
+
+    seen = []
+    real = fw_dispatch._dispatch
+    monkeypatch.setattr(fw_dispatch, "_dispatch", lambda *a, **kw: (
+        seen.append((kw["beta"], kw["eps"])), real(*a, **kw))[1])
+    model = nn.Sequential(SmallAttention(calls_with_beta))
+    x = torch.randn(2, 8, 32)
+    model[0](x, beta=8.0)
+    assert seen == [(8.0, 1e-2)]  # unwatched: the caller's values
+    w = fw.watch(model, every_n_steps=1, beta=3.0, eps=2e-3)
+    with caplog.at_level(logging.WARNING, logger="flashwatch"):
+        for _ in range(2):
+            model[0](x, beta=8.0)
+    assert seen[1:] == [(3.0, 2e-3)] * 2
+    warnings = [r.message for r in caplog.records if "beta=8.0" in r.message]
+    assert len(warnings) == 1 and "beta=3.0" in warnings[0]
+    w.remove()
+    model[0](x, beta=8.0)
+    assert seen[-1] == (8.0, 1e-2)
+
+
+def _counts(w):
+    """Rows counted so far in the step being accumulated, per layer: exact (routed
+    kernel), probed and with a gradient. Reports show only ratios of these, in which a
+    doubled count would hide, so they are read where they accumulate."""
+    return [(int(st.buf.stats.rows[0]), st.buf.probe_rows, st.buf.grad_rows)  # head 0
+            for st in w.layer_states]
+
+
+@pytest.mark.parametrize("rows", [8, 4 * 32])
+@pytest.mark.parametrize("route_all", [False, True])
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+def test_activation_checkpointing_counts_each_forward_once(how, route_all, rows):
+    """The checkpointed run reports exactly what the plain run reports, step after step:
+    a recompute that sampled again would move the sampling generator (other rows on the
+    next steps), a reentrant recompute's δ would come from another sample, and every
+    count would double. 4·32 rows: every row sampled."""
+    cfg = dict(every_n_steps=1, rows_per_head=rows, route_all=route_all)
+    runs, counts = [], []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL))
+        if ckpt:
+            model = checkpointed(model, how)
+        w = fw.watch(model, **cfg)
+        reports, _ = train(model, w, 3)
+        x, y = batch(torch.Generator().manual_seed(9))
+        _, loss = model(x, y)
+        loss.backward()
+        counts.append(_counts(w))
+        assert w.monitor_errors_total == 0
+        runs.append([comparable(r) for r in reports])
+    assert counts[0] == counts[1]
+    assert counts[0][0] == (4 * 32 if route_all else 0, rows, rows)
+    plain, ckpt = runs
+    assert len(plain) == len(ckpt) == 3
+    for a, b in zip(plain, ckpt, strict=True):
+        for ha, hb in zip(a["heads"], b["heads"], strict=True):
+            assert ha["layer"] == hb["layer"]  # canonical names through the wrapper
+            for key, va in ha.items():
+                if isinstance(va, float):
+                    assert va == pytest.approx(hb[key], rel=1e-6, abs=1e-12, nan_ok=True), key
+                else:
+                    assert va == hb[key], key
+            assert math.isfinite(ha["delta_error_sum"])
+
+
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+def test_modes_under_activation_checkpointing_run_and_their_events_stand(how):
+    torch.manual_seed(0)
+    model = checkpointed(GPT(GPTConfig(**SMALL)), how)
+    w = fw.watch(model, every_n_steps=1)
+    layer = w.sites[0].name
+    w.set_head_modes(layer, [Mode.BETA] * SMALL["n_head"])
+    reports, _ = train(model, w, 2)
+    assert [r.unmitigable for r in reports] == [{}, {}] and w.monitor_errors_total == 0
+    assert len(w.events) == SMALL["n_head"] and all(e.applied for e in w.events)
+    assert [h.head_mode for h in reports[-1].heads if h.layer == layer] == [Mode.BETA] * 4
+    assert all(st.module_calls == 0 for st in w.layer_states)  # reset by each report
+
+
+def test_hugging_face_gradient_checkpointing_counts_each_forward_once():
+    transformers = pytest.importorskip("transformers")
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+        if ckpt:
+            model.gradient_checkpointing_enable()
+        model.train()
+        w = fw.watch(model, every_n_steps=1, rows_per_head=8, route_all=True)
+        g = torch.Generator().manual_seed(0)
+        reports = []
+        for _ in range(3):
+            ids = torch.randint(0, 64, (2, 16), generator=g)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            counts = _counts(w)
+            reports.append(comparable(w.step())["heads"])
+        assert w.monitor_errors_total == 0
+        return reports, counts
+
+    (plain, n_plain), (ckpt, n_ckpt) = run(False), run(True)
+    assert n_plain == n_ckpt == [(2 * 16, 8, 8)] * 2
+    for a, b in zip(plain, ckpt, strict=True):
+        for ha, hb in zip(a, b, strict=True):
+            for key in ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum"):
+                assert ha[key] == pytest.approx(hb[key], rel=1e-6, abs=1e-12), key
+            assert math.isfinite(ha["delta_error_sum"])

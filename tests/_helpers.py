@@ -1,0 +1,153 @@
+"""Helpers shared by the watched-model tests (test_watcher, test_capture, test_probing,
+test_aggregate, test_monitored_step): a small GPT and its training loop, small attention
+layers, the planted persistent δ error of docs/design.md §1, activation checkpointing."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flashwatch as fw
+from flashwatch import dispatch as fw_dispatch
+from standins import TiedAttention, leaning_dispatch
+
+SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
+
+
+def batch(g, B=4, T=32, vocab=64):
+    idx = torch.randint(0, vocab, (B, T + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(model, watcher, steps, *, seed=0, accum=1, lr=3e-3, autocast=True):
+    """AdamW training loop on seeded random tokens; returns the non-None reports."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    reports = []
+    for _ in range(steps):
+        for _ in range(accum):
+            x, y = batch(g)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, loss = model(x, y)
+            (loss / accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        r = watcher.step()
+        if r is not None:
+            reports.append(r)
+    return reports, opt
+
+
+def comparable(report):
+    d = report.to_dict()
+    d.pop("monitor_seconds")
+    return d
+
+
+class SmallAttention(nn.Module):
+    """A nanoGPT-style layer (C = 32, 2 heads) whose attention is `attend(q, k, v, **kw)`."""
+
+    def __init__(self, attend):
+        super().__init__()
+        self.c_attn = nn.Linear(32, 96)
+        self.n_head = 2
+        self.attend = attend
+
+    def forward(self, x, **kw):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        return self.attend(q, k, v, **kw)
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tied = TiedAttention(tie=True)
+        self.plain = TiedAttention()
+
+    def forward(self, x):
+        return self.plain(x + self.tied(x))
+
+
+def biased_kernel(monkeypatch, bias=1e-2):
+    monkeypatch.setattr(fw_dispatch, "_dispatch", leaning_dispatch(fw_dispatch._dispatch, bias))
+
+
+def drive(model, w, steps, seed=0, vary=False):
+    # Fixed input, loss = sum: dO keeps its sign, so c[T] keeps its sign: the planted
+    # persistent error of docs/design.md §1 step 3. vary=True draws a new input every step.
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 16, 32, generator=g).bfloat16()
+    model = model.bfloat16()
+    reports = []
+    for _ in range(steps):
+        if vary:
+            x = torch.randn(2, 16, 32, generator=g).bfloat16()
+        model(x).float().sum().backward()
+        model.zero_grad()
+        reports.append(w.step())
+    return reports
+
+
+def planted_watch(monkeypatch, mitigation):
+    """The tied/plain two-layer model on a leaning kernel, watched every step. Identical
+    inputs give identical G each step, so z = sqrt(steps in window): it passes 4 after
+    17 steps, and again 17 steps after a switch resets the window. The leaning kernel's
+    δ error is ≈ 3.5× the W^Q gradient, so rule (a) is switched off here: these tests
+    are about the drift rule (rule (a) has its own test)."""
+    biased_kernel(monkeypatch)
+    torch.manual_seed(7)
+    model = TwoLayers()
+    cfg = fw.WatchConfig(every_n_steps=1, mitigation=mitigation, min_history=8, patience=2,
+                         verify_steps=8, window=32, delta_share_threshold=1e9)
+    return model, fw.watch(model, config=cfg)
+
+
+class QKV(nn.Module):
+    """Separate Q/K/V projections and SDPA (a foreign kernel), width C, H heads."""
+
+    def __init__(self, C, H):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(C, C, bias=False) for _ in "qkv")
+        self.num_heads = H
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (p(x).view(B, T, self.num_heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) \
+            .reshape(B, T, C)
+
+
+def fused_o_fp64(q, k, v, scale):
+    """O before the final rounding in the fused arithmetic, in FP64, causal, one key block:
+    P̄ = exp(s - rowmax) rounded to bf16 before P̄V, l = Σ P̄ unrounded (docs/design.md §4)."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = (q @ k.transpose(-1, -2)) * scale
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    p = torch.exp(s - s.amax(-1, keepdim=True))
+    return (p.to(torch.bfloat16).double() @ v) / p.sum(-1, keepdim=True)
+
+
+def checkpointed(model, how):
+    """model's blocks recomputed in the backward: torch.utils.checkpoint (reentrant or
+    not) on each block's forward, or checkpoint_wrapper around each block."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    if how == "wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+        model.transformer.h = nn.ModuleList(checkpoint_wrapper(b) for b in model.transformer.h)
+        return model
+    for block in model.transformer.h:
+        block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
+                                          use_reentrant=how == "reentrant")
+    return model
