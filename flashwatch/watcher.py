@@ -125,6 +125,13 @@ class Watcher:
         (flashwatch/layer_state.py). Read it; it is not a stable API."""
         return list(self._states)
 
+    @property
+    def recorder(self) -> Recorder:
+        """Test and debugging hook: the Recorder its layers' calls and gradients reach
+        (flashwatch/capture.py), with the cadence and the step's probe totals. Read it;
+        it is not a stable API."""
+        return self._recorder
+
     def head_modes(self) -> dict[str, list[Mode]]:
         return {st.site.name: [Mode(int(m)) for m in st.modes] for st in self._states}
 

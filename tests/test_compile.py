@@ -55,7 +55,7 @@ def test_unmonitored_steps_trace_without_a_graph_break_and_fullgraph_holds():
     w = fw.watch(model, every_n_steps=2)
     x, y = _batch()
     _step(model, w)  # step 0 (monitored) done: step 1 is unmonitored
-    assert not w._cadence.measuring
+    assert not w.recorder.cadence.measuring
     explained = torch._dynamo.explain(model)(x, y)
     assert explained.graph_break_count == 0, explained.break_reasons
     # fullgraph=True raises on any graph break

@@ -195,25 +195,24 @@ def test_a_layer_whose_routing_fails_is_unmitigable_and_its_policy_event_withdra
         raise RuntimeError("kernel exploded")
 
     model = nn.Sequential(SmallAttention(sdpa))
-    w = fw.watch(model, every_n_steps=1, mitigation="auto")
+    # every measured share is over the threshold: the first report switches both heads
+    w = fw.watch(model, every_n_steps=1, mitigation="auto", delta_share_threshold=1e-9,
+                 delta_share_steps=1)
     x = torch.randn(2, 8, 32)
     model(x).backward()
-    w.step()
+    r0 = w.step()
+    assert [(e.head, e.to_mode, e.applied) for e in r0.events] == [
+        (0, Mode.FP32_O, True), (1, Mode.FP32_O, True)]
     monkeypatch.setattr(fw_dispatch, "_dispatch", broken)
-    w._set_modes(w.layer_states[0], torch.tensor([int(Mode.BETA), 0], dtype=torch.int32))
-    from flashwatch.report import Event  # as the policy would record it
-    event = Event(step=1, layer="0", head=0, from_mode=Mode.STANDARD, to_mode=Mode.BETA,
-                  reason="policy", applied=True)
-    w._pipeline.events.append(event)
-    w.layer_states[0].pending.append(event)
     out = model(x)
     out.backward()
     assert torch.isfinite(out)
     r = w.step()
     assert "routing failed (RuntimeError: kernel exploded)" in r.unmitigable["0"]
-    assert not event.applied and [e.applied for e in r.events if e.reason.startswith(
-        "policy")] == [False]
-    assert r.heads[0].head_mode == Mode.STANDARD
+    assert [e.applied for e in w.events[:2]] == [False, False]
+    assert [(e.head, e.applied) for e in r.events] == [(0, False), (1, False)]
+    assert all("not applied: routing failed" in e.reason for e in r.events)
+    assert [h.head_mode for h in r.heads] == [Mode.STANDARD] * 2
     w.remove()  # the logged error's traceback keeps the test's frame (and w) alive
 
 

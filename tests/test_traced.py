@@ -41,7 +41,7 @@ def test_the_registry_forgets_removed_and_collected_watchers():
     model = GPT(GPTConfig(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32))
     w = fw.watch(model)
     keys = [st.compiled.key for st in w.layer_states]
-    assert len(set(keys)) == 2 and all(traced._lookup(k)[0] is w._recorder for k in keys)
+    assert len(set(keys)) == 2 and all(traced._lookup(k)[0] is w.recorder for k in keys)
     w.remove()
     assert all(k not in traced._SITES for k in keys)
     w2 = fw.watch(model)  # the model's layers hold it: collected with the model
