@@ -1,16 +1,21 @@
-"""Helpers shared by the watched-model tests (test_watcher, test_capture, test_probing,
-test_aggregate, test_monitored_step): a small GPT and its training loop, small attention
-layers, the planted persistent δ error of docs/design.md §1, activation checkpointing."""
+"""Helpers shared by several test files. For the watched-model tests (test_watcher,
+test_capture, test_probing, test_aggregate, test_monitored_step): a small GPT and its
+training loop, small attention layers, the planted persistent δ error of docs/design.md
+§1, activation checkpointing. For the Prometheus tests: a scrape, its samples by name, a
+mode-switch event."""
 
 from __future__ import annotations
 
 import math
+import urllib.request
 
 import torch
 import torch.nn.functional as F
+from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import flashwatch as fw
+from flashwatch import Event, Mode
 from flashwatch import dispatch as fw_dispatch
 from standins import TiedAttention, leaning_dispatch
 
@@ -151,3 +156,24 @@ def checkpointed(model, how):
         block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
                                           use_reentrant=how == "reentrant")
     return model
+
+
+def scrape(url, context=None) -> dict:
+    """{family name: family} of one scrape; sample names keep their `_total`."""
+    body = urllib.request.urlopen(url, timeout=5, context=context).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+def by_name(families) -> dict:
+    """{sample name: [samples]}."""
+    out: dict = {}
+    for f in families.values():
+        for s in f.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def mode_switch(layer, head, to_mode, applied=True, step=1, **kw):
+    """A mode-switch event from STANDARD."""
+    return Event(step=step, layer=layer, head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
+                 reason="test", applied=applied, **kw)

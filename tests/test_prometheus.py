@@ -1,18 +1,14 @@
-"""flashwatch.integrations.prometheus (sink), prometheus_render (the page) and
-prometheus_server (HTTP): the exporter over HTTP, counters that count what ran, and a
-real Prometheus server (Debian's `prometheus` binary, installed by .ci/run) scraping a
-training job."""
+"""flashwatch.integrations.prometheus (the sink): every documented metric over HTTP, ports
+per rank, the series other ranks serve, counters that count what ran, and a real
+Prometheus server (Debian's `prometheus` binary, installed by .ci/run) scraping a
+training job. The page: test_prometheus_render.py; the HTTP server:
+test_prometheus_server.py."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
-import shutil
 import socket
-import ssl
-import subprocess
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -21,40 +17,16 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from _helpers import by_name, mode_switch, scrape
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
-from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink, render
-from flashwatch.integrations.prometheus_render import HEAD_GAUGES
-from flashwatch.integrations.prometheus_server import BACKLOG, MetricsServer
+from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
 from livejob import SMALL, TinyTrainer, free_port, prometheus_server
 
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
-_GAUGE_FIELDS = [m.name for m in HEAD_GAUGES if m.name != "head_mode"]
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
-
-
-def _scrape(url, context=None) -> dict:
-    """{family name: family} of one scrape; sample names keep their `_total`."""
-    body = urllib.request.urlopen(url, timeout=5, context=context).read().decode()
-    return {f.name: f for f in text_string_to_metric_families(body)}
-
-
-def _samples(families) -> dict:
-    """{sample name: [samples]}."""
-    out: dict = {}
-    for f in families.values():
-        for s in f.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def _switch(layer, head, to_mode, applied=True, step=1, **kw):
-    return Event(step=step, layer=layer, head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
-                 reason="test", applied=applied, **kw)
 
 
 def test_scrape_has_every_documented_metric_with_labels():
@@ -63,21 +35,21 @@ def test_scrape_has_every_documented_metric_with_labels():
     t = TinyTrainer([sink, recorder])  # watcher.remove() closes the sink
     try:
         assert sink.url == f"http://127.0.0.1:{sink.port}/metrics"
-        before = _scrape(sink.url)  # before any report: families, no samples
+        before = scrape(sink.url)  # before any report: families, no samples
         assert all(not f.samples for f in before.values())
         t.step()
         t.watcher.set_head_modes("transformer.h.1.attn", [Mode.BETA] * 4)
         report = t.step()  # runs layer 1 in BETA
         # then a switch whose effect a measurement saw, in a report of its own
-        confirmed = _switch("transformer.h.0.attn", 2, Mode.FP32_O, step=report.step)
+        confirmed = mode_switch("transformer.h.0.attn", 2, Mode.FP32_O, step=report.step)
         mine = StepReport(step=report.step, heads=report.heads,
                           monitor_seconds=report.monitor_seconds, events=[confirmed],
                           confirmed=[confirmed])
         sink.write(mine)
-        families = _scrape(sink.url)
+        families = scrape(sink.url)
     finally:
         t.watcher.remove()
-    samples = _samples(families)
+    samples = by_name(families)
     assert sorted(samples) == sorted(METRIC_NAMES)
     for f in families.values():
         assert f.documentation.strip(), f.name  # HELP text
@@ -106,34 +78,6 @@ def test_scrape_has_every_documented_metric_with_labels():
         assert math.isfinite(s.value) and s.value > 0
 
 
-def test_nan_is_exposed_as_nan_and_series_stay():
-    sink = PrometheusSink(port=0)
-    try:
-        sink.write(StepReport(step=0, heads=[HeadRecord(layer="l", head=0)]))  # all NaN
-        samples = _samples(_scrape(sink.url))
-    finally:
-        sink.close()
-    assert math.isnan(samples["flashwatch_delta_drift_z"][0].value)
-    assert samples["flashwatch_head_mode"][0].value == 0
-
-
-def test_page_follows_new_reports_gzip_and_unknown_paths():
-    sink = PrometheusSink(port=0)
-    try:
-        sink.write(StepReport(step=1))
-        assert _samples(_scrape(sink.url))["flashwatch_monitor_step"][0].value == 1
-        sink.write(StepReport(step=2))  # the cached page is replaced by the next report
-        req = urllib.request.Request(sink.url, headers={"Accept-Encoding": "gzip"})
-        with urllib.request.urlopen(req, timeout=5) as r:
-            assert r.headers["Content-Encoding"] == "gzip"
-            text = gzip.decompress(r.read()).decode()
-        assert "flashwatch_monitor_step 2.0" in text
-        with pytest.raises(urllib.error.HTTPError, match="404"):
-            urllib.request.urlopen(sink.url.replace("/metrics", "/other"), timeout=5)
-    finally:
-        sink.close()
-
-
 def test_remove_closes_the_server_and_frees_the_port():
     sink = PrometheusSink(port=0)
     port = sink.port
@@ -144,15 +88,6 @@ def test_remove_closes_the_server_and_frees_the_port():
     with socket.socket() as s:  # the port can be bound again
         s.bind(("127.0.0.1", port))
     sink.close()  # idempotent
-
-
-def test_port_in_use_is_a_clear_error():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with pytest.raises(RuntimeError, match=rf"port {port} .*already in use.*port="):
-            PrometheusSink(port=port)
 
 
 def test_port_is_base_plus_local_rank_and_rank_zero_only(monkeypatch):
@@ -175,31 +110,6 @@ def test_port_is_base_plus_local_rank_and_rank_zero_only(monkeypatch):
         PrometheusSink(port=0, certfile="cert.pem")
 
 
-def test_not_reachable_on_a_non_loopback_address_by_default():
-    sink = PrometheusSink(port=0)
-    try:
-        assert sink.server.address == "127.0.0.1"
-        ip = _non_loopback_ip()
-        if ip is not None:  # this machine has another address: nothing answers there
-            with pytest.raises(OSError):
-                socket.create_connection((ip, sink.port), timeout=2).close()
-        urllib.request.urlopen(sink.url, timeout=5).read()  # loopback answers
-    finally:
-        sink.close()
-
-
-def _non_loopback_ip() -> str | None:
-    # A UDP "connect" sends nothing; it only asks the kernel which source address a
-    # packet to that destination would leave from.
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.255", 1))
-            ip = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
-
-
 def test_other_ranks_serve_only_their_own_series_by_default():
     heads = [HeadRecord(layer="l", head=h, delta_drift_z=1.0) for h in range(3)]
     switch = Event(step=5, layer="l", head=1, from_mode=Mode.STANDARD, to_mode=Mode.BETA,
@@ -211,7 +121,7 @@ def test_other_ranks_serve_only_their_own_series_by_default():
         sink = PrometheusSink(port=0, rank=rank, per_head_all_ranks=all_ranks)
         try:
             sink.write(report)
-            served[rank, all_ranks] = _samples(_scrape(sink.url))
+            served[rank, all_ranks] = by_name(scrape(sink.url))
         finally:
             sink.close()
     local = ["flashwatch_monitor_errors_total", "flashwatch_monitor_seconds",
@@ -221,110 +131,6 @@ def test_other_ranks_serve_only_their_own_series_by_default():
     assert served[1, False]["flashwatch_monitor_seconds"][0].value == 0.25
     assert served[1, False]["flashwatch_monitor_errors_total"][0].value == 2
     assert len(served[1, True]["flashwatch_delta_drift_z"]) == 3
-
-
-def test_render_is_byte_for_byte_prometheus_clients_text_format():
-    odd = 'a"b\\c\nd'  # a quote, a backslash and a newline in a layer name
-    values = [math.nan, math.inf, -math.inf, 1e22, 1234567.5, 0.1, -3.0, 7e-9]
-    heads = [HeadRecord(layer=layer, head=h, **dict(zip(_GAUGE_FIELDS, values[h:] + values[:h],
-                                                        strict=False)))
-             for layer in ("model.layers.0.self_attn", odd) for h in range(4)]
-    switch = _switch(odd, 1, Mode.FP32_O, step=9)
-    sink = PrometheusSink(port=0)
-    try:
-        expected_empty = generate_latest(sink.registry)
-        assert render(None) == expected_empty  # before the first report: families only
-        assert urllib.request.urlopen(sink.url, timeout=5).read() == expected_empty
-        sink.write(StepReport(step=9, heads=heads, events=[switch], confirmed=[switch],
-                              monitor_seconds=0.5, monitor_errors_total=3))
-        page = urllib.request.urlopen(sink.url, timeout=5).read()
-    finally:
-        sink.close()
-    assert page == generate_latest(sink.registry)
-    assert "1.2345675e+06" in page.decode() and "+Inf" in page.decode()
-    assert 'flashwatch_mitigations_total{head="1",layer="a\\"b' in page.decode()
-
-
-def _idle_connections(port: int, n: int) -> list[socket.socket]:
-    """n clients that connect and send nothing."""
-    return [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
-
-
-def test_idle_connections_do_not_delay_a_scrape():
-    sink = PrometheusSink(port=0)  # timeout 5 s: served in turn, 4 idle would cost 20 s
-    idle = []
-    try:
-        sink.write(StepReport(step=7, heads=[HeadRecord(layer="l", head=0)]))
-        _scrape(sink.url)  # the page is rendered and cached
-        idle = _idle_connections(sink.port, 4)
-        t0 = time.monotonic()
-        samples = _samples(_scrape(sink.url))
-        elapsed = time.monotonic() - t0
-    finally:
-        for c in idle:
-            c.close()
-        sink.close()
-    assert samples["flashwatch_monitor_step"][0].value == 7
-    assert elapsed < 1.0, f"a scrape waited {elapsed:.2f} s behind idle connections"
-
-
-def _exporter_threads() -> list:
-    return [t for t in threading.enumerate() if t.name.startswith("flashwatch-prometheus-")]
-
-
-def test_a_flood_of_connections_keeps_threads_bounded_then_scrapes_again():
-    sink = PrometheusSink(port=0, max_threads=3)
-    flood = []
-    try:
-        sink.write(StepReport(step=1))
-        before = len(threading.enumerate())
-        flood = _idle_connections(sink.port, 30)
-        deadline = time.monotonic() + 30
-        while sink.server.refused < 27 and time.monotonic() < deadline:  # accept loop
-            time.sleep(0.05)
-        assert sink.server.refused == 27  # closed at once, each costs no thread
-        assert len(_exporter_threads()) == 3
-        assert len(threading.enumerate()) <= before + 3
-        for c in flood:  # the held connections end: their threads are free again
-            c.close()
-        while sink.server.busy and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _samples(_scrape(sink.url))["flashwatch_monitor_step"][0].value == 1
-        assert len(_exporter_threads()) == 3  # reused, not one per connection
-    finally:
-        for c in flood:
-            c.close()
-        sink.close()
-
-
-def test_bad_server_options_are_clear_errors():
-    with pytest.raises(ValueError, match="max_threads must be an int ≥ 1, got 0"):
-        PrometheusSink(port=0, max_threads=0)
-    with pytest.raises(ValueError, match="timeout must be .* got -1"):
-        PrometheusSink(port=0, timeout=-1)
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make "
-                    "a test certificate")
-def test_tls_options_serve_https(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    sink = PrometheusSink(port=0, certfile=str(cert), keyfile=str(key))
-    try:
-        assert sink.url.startswith("https://")
-        sink.write(StepReport(step=3))
-        ctx = ssl.create_default_context(cafile=str(cert))
-        samples = _samples(_scrape(sink.url, context=ctx))
-        assert samples["flashwatch_monitor_step"][0].value == 3
-        with pytest.raises(OSError):  # plain HTTP is refused
-            urllib.request.urlopen(sink.url.replace("https", "http"), timeout=2).read()
-    finally:
-        sink.close()
-
-
-# -------------------------------------------------------------- a real Prometheus
 
 
 def test_real_prometheus_scrapes_a_training_job(tmp_path):
@@ -373,7 +179,7 @@ def _complete(found) -> bool:
 
 def _counters(sink) -> dict:
     """{(sample name, labels...): value} of the counters, from the sink's registry."""
-    samples = _samples({f.name: f for f in sink.registry.collect()})
+    samples = by_name({f.name: f for f in sink.registry.collect()})
     out = {}
     for name in ("flashwatch_mitigations_total", "flashwatch_qk_clip_total"):
         for s in samples.get(name, []):
@@ -384,13 +190,13 @@ def _counters(sink) -> dict:
 def test_a_decided_then_withdrawn_mode_counts_zero_and_a_confirmed_one_counts_once():
     sink = PrometheusSink(start_server=False)
     heads = [HeadRecord(layer="l", head=h) for h in range(2)]
-    decided = _switch("l", 0, Mode.FP32_O, step=1)
-    withdrawn = _switch("l", 0, Mode.FP32_O, applied=False, step=2)
+    decided = mode_switch("l", 0, Mode.FP32_O, step=1)
+    withdrawn = mode_switch("l", 0, Mode.FP32_O, applied=False, step=2)
     withdrawn.reason += "; not applied: attn_mask"
     sink.write(StepReport(step=1, heads=heads, events=[decided]))  # a decision only
     sink.write(StepReport(step=2, heads=heads, events=[withdrawn]))  # taken back
     assert sum(_counters(sink).values()) == 0
-    ran = _switch("l", 1, Mode.BETA, step=3)
+    ran = mode_switch("l", 1, Mode.BETA, step=3)
     sink.write(StepReport(step=3, heads=heads, events=[ran]))  # decided at step 3 ...
     assert sum(_counters(sink).values()) == 0
     sink.write(StepReport(step=4, heads=heads, confirmed=[ran]))  # ... seen run at step 4
@@ -421,35 +227,3 @@ def test_qk_clips_are_counted_apart_from_mode_switches():
     assert sum(clips.values()) == 2 and set(clips) == HEADS  # zero-initialised
     assert sum(v for k, v in _counters(sink).items()
                if k[0] == "flashwatch_mitigations_total") == 0
-
-
-def test_a_burst_of_50_connections_is_queued_by_the_listener_and_all_answered():
-    """The listener holds BACKLOG connections while its accept loop is busy: with the
-    stdlib's 5, the 7th SYN of a burst was dropped and that client came back only after
-    TCP's 1 s retransmit. Here the server accepts nothing until all 50 clients have
-    connected, so each connect completes only if the kernel queued it (a dropped SYN
-    would time out: 0.9 s is below the first retransmit and far above a loopback
-    handshake). Then every client is answered."""
-    n = 50
-    assert BACKLOG >= n
-    body = b"flashwatch_monitor_step 1.0\n"
-    server = MetricsServer("127.0.0.1", 0, lambda enc: (body, False), max_threads=n,
-                           timeout=5.0)
-    clients = []
-    try:
-        for _ in range(n):  # not started: nothing is accepted yet
-            clients.append(socket.create_connection(("127.0.0.1", server.port), timeout=0.9))
-        for c in clients:
-            c.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        server.start()
-        answers = []
-        for c in clients:
-            c.settimeout(10)
-            answers.append(b"".join(iter(lambda c=c: c.recv(65536), b"")))
-    finally:
-        for c in clients:
-            c.close()
-        server.close()
-    assert len(answers) == n
-    assert all(a.startswith(b"HTTP/1.0 200") and a.endswith(body) for a in answers)
-    assert server.refused == 0
