@@ -10,7 +10,6 @@ import json
 import math
 import socket
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter

@@ -4,8 +4,6 @@ byte for byte (NaN, ±Inf, escaped labels), NaN series stay exposed."""
 from __future__ import annotations
 
 import math
-import urllib.error
-import urllib.parse
 import urllib.request
 
 from _helpers import by_name, mode_switch, scrape
