@@ -2,19 +2,21 @@
 test_capture, test_probing, test_aggregate, test_monitored_step): a small GPT and its
 training loop, small attention layers, the planted persistent δ error of docs/design.md
 §1, activation checkpointing. For the Prometheus tests: a scrape, its samples by name, a
-mode-switch event."""
+mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches."""
 
 from __future__ import annotations
 
 import math
 import urllib.request
 
+import pytest
 import torch
 import torch.nn.functional as F
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 import flashwatch as fw
+from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, Mode
 from flashwatch import dispatch as fw_dispatch
 from standins import TiedAttention, leaning_dispatch
@@ -177,3 +179,25 @@ def mode_switch(layer, head, to_mode, applied=True, step=1, **kw):
     """A mode-switch event from STANDARD."""
     return Event(step=step, layer=layer, head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
                  reason="test", applied=applied, **kw)
+
+
+def tiny_gpt(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = dict(block_size=32, vocab_size=16, n_layer=2, n_head=4, n_embd=32,
+               position_embedding=False) | kw
+    return GPT(GPTConfig(**cfg))
+
+
+def tiny_llama(seed=0):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def id_batches(vocab, n=4, B=2, T=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab, (B, T + 1), generator=g) for _ in range(n)]

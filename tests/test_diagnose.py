@@ -1,23 +1,21 @@
-"""flashwatch/diagnose*.py and `flashwatch diagnose`: the exact per-head measurement
-against an FP64 oracle and against the research scripts, the ranking, the three
-checkpoint kinds end to end through the CLI."""
+"""flashwatch/diagnose.py and diagnose_measure.py: the exact per-head measurement against
+an FP64 oracle and against the research scripts, the planted head ranked first, the
+model given back as it was, bad inputs named. Ranking, loading, the report and the CLI
+have their own files (test_diagnose_rank, _load, _report, _cli)."""
 
 from __future__ import annotations
 
 import io
-import json
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _helpers import id_batches, tiny_gpt, tiny_llama
 from torch.overrides import TorchFunctionMode
 
 from examples.gpt import GPT, GPTConfig
 from flashwatch import diagnose
-from flashwatch.cli import main
-from flashwatch.diagnose_load import load_tokens, make_batches
 from flashwatch.diagnose_measure import wq_rows
 from flashwatch.sites import find_sites
 
@@ -106,28 +104,6 @@ def oracle(model, batches, loss_fn):
 def by_position(result):
     """Head records in model order (layer by layer, head by head)."""
     return sorted(result["heads"], key=lambda h: (h["layer_index"], h["head"]))
-
-
-def tiny_gpt(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = dict(block_size=32, vocab_size=16, n_layer=2, n_head=4, n_embd=32,
-               position_embedding=False) | kw
-    return GPT(GPTConfig(**cfg))
-
-
-def tiny_llama(seed=0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def id_batches(vocab, n=4, B=2, T=24, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(vocab, (B, T + 1), generator=g) for _ in range(n)]
 
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
@@ -270,165 +246,3 @@ def test_eager_attention_is_refused_with_the_fix():
     model.config._attn_implementation = "eager"
     with pytest.raises((RuntimeError, ValueError), match="attn_implementation=.sdpa."):
         diagnose(model, id_batches(64, n=1), progress=False)
-
-
-def test_data_formats_give_the_same_tokens(tmp_path):
-    ids = np.arange(300, dtype=np.uint16) % 50
-    ids.tofile(tmp_path / "t.bin")
-    np.save(tmp_path / "t.npy", ids.astype(np.int64))
-    torch.save(torch.from_numpy(ids.astype(np.int64)), tmp_path / "t.pt")
-    want = torch.from_numpy(ids.astype(np.int64))
-    for name in ("t.bin", "t.npy", "t.pt"):
-        got = load_tokens(tmp_path / name)
-        if not isinstance(got, torch.Tensor):  # .bin, .npy: memory-mapped arrays
-            got = torch.from_numpy(np.array(got, dtype=np.int64))
-        assert torch.equal(got, want)
-        assert torch.equal(make_batches(got, 2, 3, 16, seed=5)[1],
-                           make_batches(want, 2, 3, 16, seed=5)[1])
-    (tmp_path / "t.txt").write_text("héllo")
-    model = tiny_gpt(vocab_size=256)
-    assert load_tokens(tmp_path / "t.txt", None, model).tolist() == list("héllo".encode())
-    batches = make_batches(want, 3, 2, 16, seed=0)
-    assert [tuple(b.shape) for b in batches] == [(2, 17)] * 3
-    for b in batches:  # windows of the stream: consecutive ids (mod 50)
-        assert torch.equal((b[:, 1:] - b[:, :-1]) % 50, torch.ones(2, 16, dtype=torch.long))
-    assert all(torch.equal(a, b) for a, b in zip(batches, make_batches(want, 3, 2, 16, 0),
-                                                 strict=True))
-
-
-def _nanogpt_ckpt(path, model, args):
-    torch.save({"model_args": args, "iter_num": 7,
-                "model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}}, path)
-
-
-def test_cli_nanogpt_checkpoints_growth(tmp_path, capsys):
-    args = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, bias=True, vocab_size=64,
-                dropout=0.0)
-    model = GPT(GPTConfig(**args))
-    _nanogpt_ckpt(tmp_path / "a.pt", model, args)
-    with torch.no_grad():  # layer 1, head 3: W^Q × 3 in the later checkpoint
-        model.transformer.h[1].attn.c_attn.weight[24:32] *= 3.0
-    _nanogpt_ckpt(tmp_path / "b.pt", model, args)
-    np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16).tofile(tmp_path / "d.bin")
-    out = tmp_path / "out"
-    code = main(["diagnose", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--data",
-                 str(tmp_path / "d.bin"), "--batches", "2", "--out", str(out)])
-    assert code == 0
-    for name in ("report.md", "diagnose.json", "heads.png", "growth.png"):
-        assert (out / name).stat().st_size > 200
-    js = json.loads((out / "diagnose.json").read_text())
-    assert [c["name"] for c in js["checkpoints"]] == ["a.pt", "b.pt"]
-    g = {(r["layer"], r["head"]): r for r in js["growth"]}
-    assert g[("transformer.h.1.attn", 3)]["wq_sigma"] == pytest.approx(3.0, rel=1e-6)  # FP32 × 3
-    assert g[("transformer.h.1.attn", 2)]["wq_sigma"] == pytest.approx(1.0, rel=1e-12)
-    assert all(h["rows"] == 2 * 32 for h in js["checkpoints"][1]["heads"])  # every row
-    md = (out / "report.md").read_text()
-    assert "grew 3.00× the median head" in md
-    assert "| a.pt | " in md and "| b.pt | " in md  # the per-checkpoint table
-    cap = capsys.readouterr()
-    printed = cap.out.splitlines()
-    assert printed[0].startswith("a.pt: ") and printed[1].startswith("b.pt: ")
-    assert "diagnose b.pt: batch 1.50/2" in cap.err  # progress: one layer of two measured
-
-
-def test_cli_hugging_face_directory(tmp_path, capsys):
-    model = tiny_llama()
-    model.save_pretrained(tmp_path / "llama")
-    torch.save(torch.randint(64, (3, 20)), tmp_path / "rows.pt")
-    out = tmp_path / "out"
-    code = main(["diagnose", str(tmp_path / "llama"), "--data", str(tmp_path / "rows.pt"),
-                 "--batches", "3", "--out", str(out)])
-    assert code == 0
-    js = json.loads((out / "diagnose.json").read_text())
-    (res,) = js["checkpoints"]
-    assert len(res["heads"]) == 8 and res["batches"] == 3 and res["dtype"] == "bfloat16"
-    assert {h["grad_path"] for h in res["heads"]} == {"autograd"}  # RoPE
-    assert all(h["rows"] == 3 * 19 for h in res["heads"])
-    md = (out / "report.md").read_text()
-    assert "| rank | layer/head | verdict |" in md and "model.layers.1.self_attn" in md
-
-
-def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
-    (tmp_path / "mymodels.py").write_text(
-        "from examples.gpt import GPT, GPTConfig\n"
-        "def build():\n    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, "
-        "block_size=16))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    (tmp_path / "d.txt").write_text("the quick brown fox jumps over the lazy dog " * 4)
-    out = tmp_path / "out"
-    assert main(["diagnose", "mymodels:build", "--data", str(tmp_path / "d.txt"),
-                 "--batches", "2", "--out", str(out)]) == 0
-    assert len(json.loads((out / "diagnose.json").read_text())["checkpoints"][0]["heads"]) == 2
-    assert main(["diagnose", str(tmp_path / "nothing-here"), "--data",
-                 str(tmp_path / "d.txt")]) == 2
-    assert "neither a directory, a file nor module:function" in capsys.readouterr().err
-    torch.save({"weights": 1}, tmp_path / "other.pt")
-    assert main(["diagnose", str(tmp_path / "other.pt"), "--data",
-                 str(tmp_path / "d.txt")]) == 2
-    assert "not a nanoGPT checkpoint" in capsys.readouterr().err
-
-
-def test_report_without_matplotlib_keeps_the_numbers(tmp_path, monkeypatch):
-    from flashwatch.diagnose_report import write_report
-
-    res = diagnose(tiny_gpt(), id_batches(16, n=1), progress=False)
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
-    written = write_report([res], tmp_path)
-    assert [p.name for p in written] == ["report.md", "diagnose.json"]
-    assert "pip install 'flashwatch[report]'" in (tmp_path / "report.md").read_text()
-    assert len(json.loads((tmp_path / "diagnose.json").read_text())["checkpoints"][0]
-               ["heads"]) == 8
-
-
-def test_heatmap_rows_are_layers_in_model_order():
-    from flashwatch.diagnose_report import _grid
-
-    heads = [dict(layer="b", layer_index=1, head=0, tied_ratio=0.5),  # ranked first
-             dict(layer="a", layer_index=0, head=1, tied_ratio=0.25),
-             dict(layer="a", layer_index=0, head=0, tied_ratio=0.0),
-             dict(layer="b", layer_index=1, head=1, tied_ratio=1.0)]
-    layers, grid = _grid(heads, "tied_ratio")
-    assert layers == ["a", "b"] and grid == [[0.0, 0.25], [0.5, 1.0]]
-
-
-def _record(head, **kw):
-    base = dict(layer="h.0", head=head, num_heads=4, tied_ratio=0.0, sign_z=0.0,
-                wq_sigma=1.0, wq_ratio=1.0, delta_share=0.01, max_logit=5.0, qk_clip_eta=1.0)
-    return base | kw
-
-
-def test_verdicts_and_their_order():
-    from flashwatch.diagnose_rank import rank
-
-    heads = [_record(0),  # ok
-             _record(1, max_logit=400.0, qk_clip_eta=0.25),  # logit growth
-             _record(2, delta_share=0.3),  # δ error without a persistent sign
-             _record(3, tied_ratio=0.2, sign_z=-4.5, wq_ratio=2.5, delta_share=0.05)]
-    out = rank(heads, batches=25, tau=100.0)
-    assert [(h["head"], h["verdict"]) for h in out] == [
-        (3, "paper-failure"), (2, "delta-error"), (1, "logit-growth"), (0, "ok")]
-    assert [h["rank"] for h in out] == [1, 2, 3, 4]
-    modes = out[0]["recommendation"].split("[")[1].split("]")[0]
-    assert [int(m) for m in modes.split(",")] == [0, 0, 0, 2]  # head 3 → Mode.FP32_O
-    assert "qk_clip_threshold=100" in out[2]["recommendation"] and "0.25" in out[2][
-        "recommendation"]
-    assert out[3]["recommendation"] == "nothing"
-    # Without the sign (|z| < 3) the same head is only a δ-error or growth case; with
-    # 4 batches the evidence says why the sign cannot show.
-    (h,) = rank([_record(3, tied_ratio=0.2, sign_z=-1.9, wq_ratio=2.5)], 4, 100.0)
-    assert h["verdict"] == "logit-growth" and "≥ 9 batches to show it" in h["evidence"]
-
-
-def test_growth_across_checkpoints_counts_as_a_large_wq():
-    from flashwatch.diagnose_rank import growth, rank
-
-    old = dict(heads=[_record(h) for h in range(4)])
-    new = dict(heads=[_record(h, wq_sigma=6.0 if h == 1 else 1.5, tied_ratio=0.1,
-                              sign_z=3.5) for h in range(4)])
-    g = growth([old, new])
-    assert g[("h.0", 1)]["wq_sigma"] == 6.0 and g[("h.0", 0)]["wq_sigma"] == 1.5
-    assert g[("h.0", 1)]["series"]["wq_sigma"] == [1.0, 6.0]
-    out = rank(new["heads"], 16, 100.0, g)  # wq_ratio 1 everywhere: growth decides
-    assert out[0]["head"] == 1 and out[0]["verdict"] == "paper-failure"
-    assert out[0]["wq_growth_vs_layer"] == pytest.approx(4.0)  # 6 / median 1.5
-    assert all(h["verdict"] == "ok" for h in out[1:])
