@@ -2,7 +2,8 @@
 test_capture, test_probing, test_aggregate, test_monitored_step): a small GPT and its
 training loop, small attention layers, the planted persistent δ error of docs/design.md
 §1, activation checkpointing. For the Prometheus tests: a scrape, its samples by name, a
-mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches."""
+mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches. For
+the torch.compile tests: a tiny GPT, its autocast step, report fields, Dynamo's stance."""
 
 from __future__ import annotations
 
@@ -201,3 +202,43 @@ def tiny_llama(seed=0):
 def id_batches(vocab, n=4, B=2, T=24, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(vocab, (B, T + 1), generator=g) for _ in range(n)]
+
+
+# torch.compile tests (test_compile, test_traced): a 2-layer, 2-head GPT on 16 tokens.
+TINY = dict(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def compile_gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**TINY))
+
+
+def compile_batch(seed=0):
+    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(seed))
+    return idx[:, :-1], idx[:, 1:]
+
+
+def compile_step(model, watcher, seed=0):
+    x, y = compile_batch(seed)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+    loss.backward()
+    return watcher.step()
+
+
+def measured(report):
+    """Per-head measurements that do not depend on compiled-vs-eager rounding order."""
+    return [(h.layer, h.head, h.tied_rowmax_ratio, h.attention_max_logit)
+            for h in report.heads]
+
+
+REPORT_FIELDS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum", "delta_error_share",
+          "r_projection_cumulative", "wq_spectral_norm", "delta_error_rows")
+
+
+def report_fields(report):
+    return [(h.layer, h.head, *(getattr(h, f) for f in REPORT_FIELDS)) for h in report.heads]
+
+
+def dynamo_stance():
+    return torch._dynamo.eval_frame._stance.stance

@@ -25,6 +25,15 @@ def one_thread():
     torch.set_num_threads(old)
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after the test: the torch.compile tests count
+    frames and recompiles, which another test's compiled code would change."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item, nextitem):
     """A watcher that measures sets Dynamo's process-wide force_eager stance until its

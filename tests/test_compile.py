@@ -1,5 +1,7 @@
-"""A watched model under torch.compile: no graph break while unwatched, measured and
-mitigated whether the watcher came before or after the first compiled step."""
+"""A watched model under torch.compile (flashwatch/attach.py's forward swap and stance):
+no graph break while unwatched, measured and mitigated whether the watcher came before
+or after the first compiled step; flashwatch.attention, Hugging Face, checkpointed,
+copied and block-wise compiled models. The traced probe: tests/test_traced.py."""
 from __future__ import annotations
 
 import copy
@@ -8,6 +10,15 @@ import math
 import pytest
 import torch
 import torch._dynamo
+from _helpers import (
+    TINY,
+    compile_batch,
+    compile_gpt,
+    compile_step,
+    dynamo_stance,
+    measured,
+    report_fields,
+)
 from torch import nn
 from torch._dynamo.testing import CompileCounter
 
@@ -16,45 +27,14 @@ from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
 from flashwatch import dispatch as fw_dispatch
 
-SMALL = dict(block_size=16, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _gpt(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**SMALL))
-
-
-def _batch(seed=0):
-    idx = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(seed))
-    return idx[:, :-1], idx[:, 1:]
-
-
-def _step(model, watcher, seed=0):
-    x, y = _batch(seed)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss = model(x, y)
-    loss.backward()
-    return watcher.step()
-
-
-def _measured(report):
-    """Per-head measurements that do not depend on compiled-vs-eager rounding order."""
-    return [(h.layer, h.head, h.tied_rowmax_ratio, h.attention_max_logit)
-            for h in report.heads]
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_unmonitored_steps_trace_without_a_graph_break_and_fullgraph_holds():
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=2)
-    x, y = _batch()
-    _step(model, w)  # step 0 (monitored) done: step 1 is unmonitored
+    x, y = compile_batch()
+    compile_step(model, w)  # step 0 (monitored) done: step 1 is unmonitored
     assert not w.recorder.cadence.measuring
     explained = torch._dynamo.explain(model)(x, y)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -65,199 +45,13 @@ def test_unmonitored_steps_trace_without_a_graph_break_and_fullgraph_holds():
     w.remove()
 
 
-FIELDS = ("tied_rowmax_ratio", "attention_max_logit", "delta_error_sum", "delta_error_share",
-          "r_projection_cumulative", "wq_spectral_norm", "delta_error_rows")
-
-
-def _fields(report):
-    return [(h.layer, h.head, *(getattr(h, f) for f in FIELDS)) for h in report.heads]
-
-
-def _stance():
-    return torch._dynamo.eval_frame._stance.stance
-
-
-def test_monitored_steps_stay_compiled_once_each_layer_was_seen_calling_sdpa():
-    """The first measured step runs compiled code eagerly (force_eager): the watcher has
-    not seen what the layers call. From the next one on, every layer having made plain
-    SDPA calls, the probe is traced into the graph (flashwatch/traced.py): GPT.forward
-    is compiled once per step kind with no graph break, the user's stance stays, and
-    every reported number is the eager model's."""
-    model = _gpt()
-    eager = copy.deepcopy(model)
-    w = fw.watch(model, every_n_steps=2, rows_per_head="all")
-    w_eager = fw.watch(eager, every_n_steps=2, rows_per_head="all")
-    counter = CompileCounter()
-    runs = []
-
-    def backend(gm, inputs):  # CompileCounter's count, and the graph's runs
-        counter(gm, inputs)
-
-        def run(*args):
-            runs.append(1)
-            return gm.forward(*args)
-        return run
-
-    compiled = torch.compile(model, backend=backend)
-    stances, reports, graph_runs = [], 0, []
-    for seed in range(7):  # monitored at 0, 2, 4, 6
-        stances.append(_stance())
-        before = len(runs)
-        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
-        graph_runs.append(len(runs) - before)
-        assert (got is None) == (want is None)
-        if got is not None:
-            reports += 1
-            for g, e in zip(_fields(got), _fields(want), strict=True):
-                assert g[:2] == e[:2]
-                assert all(math.isfinite(x) for x in g[2:-1])
-                assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
-        if seed == 0:
-            assert counter.frame_count == 0  # eager: nothing compiled
-    assert reports == 4
-    assert stances == ["force_eager"] + ["default"] * 6
-    assert counter.frame_count == 2  # unmonitored and monitored graph, each whole
-    assert graph_runs == [0] + [1] * 6  # and each step after the first runs one
-    assert w.monitor_errors_total == 0
-    w.remove()
-    w_eager.remove()
-
-
-def test_a_traced_monitored_step_has_no_graph_break_and_fullgraph_holds():
-    model = _gpt()
-    w = fw.watch(model, every_n_steps=1)
-    _step(model, w)  # measured eagerly: every layer seen calling SDPA
-    assert all(st.compiled.traced for st in w.layer_states) and _stance() == "default"
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, fullgraph=True)  # raises on a break
-    report = _step(compiled, w, seed=1)
-    assert counter.frame_count == 1
-    assert all(math.isfinite(h.tied_rowmax_ratio) and math.isfinite(h.delta_error_sum)
-               for h in report.heads)
-    assert all(h.delta_error_rows > 0 for h in report.heads)
-    w.remove()
-
-
-def test_modes_set_on_a_traced_model_take_it_back_to_the_eager_path():
-    """A routed layer runs eagerly (its kernel needs the watcher's Python), so head modes
-    set once the probe was traced put measured steps back on force_eager at once, and
-    the modes run (the report says so, nothing unmitigable)."""
-    model = _gpt()
-    w = fw.watch(model, every_n_steps=1)
-    compiled = torch.compile(model, backend="aot_eager")
-    _step(compiled, w)
-    assert _stance() == "default"  # layers seen: traced from here
-    w.set_head_modes("transformer.h.0.attn", [Mode.FP32_O, Mode.STANDARD])
-    assert _stance() == "force_eager" and not w.layer_states[0].compiled.traced
-    report = _step(compiled, w, seed=1)
-    assert report.unmitigable == {} and w.monitor_errors_total == 0
-    assert [h.head_mode for h in report.heads[:2]] == [Mode.FP32_O, Mode.STANDARD]
-    assert report.heads[0].delta_error_rows == 2 * 16  # the kernel's own rows: all of them
-    w.remove()
-
-
-def test_a_traced_gradient_reaches_its_own_forwards_sample():
-    """Two forwards, one backward (a second forward whose output is dropped, e.g. a
-    metric computed with grad on): the gradient belongs to the first call's rows. The
-    ops carry a call id from forward to backward, so the traced probe pairs them as
-    eager autograd hooks do."""
-    model = _gpt()
-    eager = copy.deepcopy(model)
-    w, w_eager = (fw.watch(m, every_n_steps=1, rows_per_head=8) for m in (model, eager))
-    compiled = torch.compile(model, backend="aot_eager")
-    runs = ((compiled, w), (eager, w_eager))
-    for m, watcher in runs:  # both learn (the stance is process-wide)
-        _step(m, watcher)
-    assert _stance() == "default"  # the compiled model's probe is traced from here on
-    reports = []
-    for m, watcher in runs:
-        x, y = _batch(seed=1)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = m(x, y)[1]
-            m(*_batch(seed=2))  # a second forward, never backpropagated
-        loss.backward()
-        reports.append(watcher.step())
-    assert len(w.layer_states[0].buf.traced_pending) == 0  # cleared by the report
-    for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
-        assert g[:2] == e[:2] and g[-1] == e[-1] == 8
-        assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
-    w.remove()
-    w_eager.remove()
-
-
-def test_a_traced_step_holds_its_samples_one_micro_batch_and_x_not_at_all():
-    """Gradient accumulation (4 micro-batches) on a traced monitored step: each
-    micro-batch's samples are reduced and let go once its gradients arrived, no layer
-    keeps the Q projection's input X, and the report is the eager model's."""
-    model = _gpt()
-    eager = copy.deepcopy(model)
-    w, w_eager = (fw.watch(m, every_n_steps=1, rows_per_head=8) for m in (model, eager))
-    compiled = torch.compile(model, backend="aot_eager")
-    runs = ((compiled, w), (eager, w_eager))
-    for m, watcher in runs:
-        _step(m, watcher)  # both learn; traced from here on
-    reports = []
-    for m, watcher in runs:
-        for seed in range(4):
-            x, y = _batch(seed=10 + seed)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                m(x, y)[1].backward()
-            assert [len(st.buf.traced_pending) for st in watcher.layer_states] == [0, 0]
-            assert [len(st.buf.samples) for st in watcher.layer_states] == [0, 0]  # reduced
-            assert all(st.buf.x is None for st in watcher.layer_states)
-        reports.append(watcher.step())
-    assert all(st.compiled.traced for st in w.layer_states) and _stance() == "default"
-    for g, e in zip(_fields(reports[0]), _fields(reports[1]), strict=True):
-        assert g[:2] == e[:2] and g[-1] == e[-1] == 4 * 8
-        assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
-    w.remove()
-    w_eager.remove()
-
-
-def test_a_traced_gradient_without_its_call_is_said(caplog):
-    """A backward after step() (the call's sample went with the report): logged, not
-    paired with something else."""
-    model = _gpt()
-    w = fw.watch(model, every_n_steps=1)
-    compiled = torch.compile(model, backend="aot_eager")
-    _step(compiled, w)
-    x, y = _batch(seed=1)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = compiled(x, y)[1]
-    w.step()
-    with caplog.at_level("WARNING", logger="flashwatch"):
-        loss.backward()
-    assert "found no probed call to pair with" in caplog.text
-    assert all(st.buf.samples == [] and st.buf.grad_rows == 0 for st in w.layer_states)
-    w.remove()
-
-
-def test_a_traced_monitored_step_runs_under_inductor_like_eager():
-    """The recipe users run: inductor. Tie ratio and max logit are those of the eager
-    model's sampled rows (the same rows: one generator, the same call order)."""
-    model = _gpt()
-    eager = copy.deepcopy(model)
-    w, w_eager = fw.watch(model, every_n_steps=2), fw.watch(eager, every_n_steps=2)
-    compiled = torch.compile(model)
-    for seed in range(3):
-        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
-    assert _stance() == "default" and all(st.compiled.traced for st in w.layer_states)
-    for g, e in zip(_measured(got), _measured(want), strict=True):  # step 2: traced
-        assert g[:2] == e[:2] and g[2:] == pytest.approx(e[2:], rel=0.02, abs=0.02)
-    assert all(math.isfinite(h.delta_error_sum) and h.delta_error_rows == 2 * 16  # B·T
-               for h in got.heads)
-    assert w.monitor_errors_total == 0
-    w.remove()
-    w_eager.remove()
-
-
 def test_a_measured_step_restores_the_users_own_stance():
-    model = _gpt()
+    model = compile_gpt()
     torch.compiler.set_stance("eager_on_recompile")
     try:  # route_all: routed layers run eagerly, so measured steps use force_eager
         w = fw.watch(model, every_n_steps=2, route_all=True)
         assert torch._dynamo.eval_frame._stance.stance == "force_eager"
-        _step(model, w)  # step 1 is unmonitored: the user's stance again
+        compile_step(model, w)  # step 1 is unmonitored: the user's stance again
         assert torch._dynamo.eval_frame._stance.stance == "eager_on_recompile"
         w.pause()
         w.step()  # step 2: monitored but paused (validation): compiled as usual
@@ -272,20 +66,20 @@ def test_a_measured_step_restores_the_users_own_stance():
 
 @pytest.mark.parametrize("attach", ["before", "after"])
 def test_compiled_steps_measure_like_eager_attached_before_or_after(attach):
-    eager_model = _gpt()
+    eager_model = compile_gpt()
     model = copy.deepcopy(eager_model)
     compiled = torch.compile(model, backend="aot_eager")
     if attach == "after":  # a compiled step ran before the watcher existed
-        x, y = _batch(seed=5)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # as _step: the same guards
+        x, y = compile_batch(seed=5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as compile_step: the same guards
             compiled(x, y)[1].backward()
         model.zero_grad(set_to_none=True)
     w = fw.watch(model, rows_per_head="all")
     w_eager = fw.watch(eager_model, rows_per_head="all")
-    got, want = _step(compiled, w), _step(eager_model, w_eager)
+    got, want = compile_step(compiled, w), compile_step(eager_model, w_eager)
     assert all(math.isfinite(h.tied_rowmax_ratio) for h in got.heads)
     assert all(math.isfinite(h.delta_error_sum) for h in got.heads)
-    for g, e in zip(_measured(got), _measured(want), strict=True):
+    for g, e in zip(measured(got), measured(want), strict=True):
         assert g[:2] == e[:2]
         assert g[2:] == pytest.approx(e[2:], rel=0.05, abs=0.02)
     assert w.monitor_errors_total == 0
@@ -294,11 +88,11 @@ def test_compiled_steps_measure_like_eager_attached_before_or_after(attach):
 
 
 def test_modes_reach_compiled_code_and_changes_do_not_recompile(monkeypatch):
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=1000)  # only step 0 is monitored
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
-    _step(compiled, w)
+    compile_step(compiled, w)
     calls = []
     real = fw_dispatch._dispatch
 
@@ -307,14 +101,14 @@ def test_modes_reach_compiled_code_and_changes_do_not_recompile(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(fw_dispatch, "_dispatch", spy)
-    _step(compiled, w)
+    compile_step(compiled, w)
     assert calls == []  # unrouted, unmonitored: SDPA as compiled
     w.set_head_modes("transformer.h.0.attn", [Mode.BETA, Mode.STANDARD])
-    _step(compiled, w)
+    compile_step(compiled, w)
     assert [m.tolist() for m in calls] == [[int(Mode.BETA), 0]]
     frames = counter.frame_count
     w.set_head_modes("transformer.h.0.attn", [Mode.FP32_O, Mode.BETA])
-    _step(compiled, w)
+    compile_step(compiled, w)
     assert [m.tolist() for m in calls[1:]] == [[int(Mode.FP32_O), int(Mode.BETA)]]
     assert counter.frame_count == frames, "a mode change must not recompile"
     w.remove()
@@ -380,7 +174,7 @@ def test_a_traced_layer_whose_q_input_is_not_seen_says_so(caplog):
     with caplog.at_level("WARNING", logger="flashwatch"):
         compiled(x).square().sum().backward()
         report = w.step()
-    assert _stance() == "default" and w.layer_states[0].compiled.traced
+    assert dynamo_stance() == "default" and w.layer_states[0].compiled.traced
     assert "no F.linear call on the Q projection" in caplog.text
     assert all(math.isnan(h.delta_error_share) and math.isfinite(h.delta_error_sum)
                for h in report.heads)
@@ -414,7 +208,7 @@ def test_a_compiled_layer_calling_flashwatch_attention_keeps_the_eager_path():
     w = fw.watch(model, every_n_steps=1)
     compiled = torch.compile(model, backend="aot_eager")
     for seed in range(3):
-        assert _stance() == "force_eager"
+        assert dynamo_stance() == "force_eager"
         compiled(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(seed))
                  ).square().sum().backward()
         report = w.step()
@@ -482,8 +276,8 @@ def test_a_compiled_autocast_llama_is_measured_in_graph_like_eager():
 
     for seed in range(5):
         got, want = step(compiled, w, seed), step(eager, w_eager, seed)
-    assert _stance() == "default" and counter.frame_count == 2
-    for g, e in zip(_fields(got), _fields(want), strict=True):  # step 4: traced
+    assert dynamo_stance() == "default" and counter.frame_count == 2
+    for g, e in zip(report_fields(got), report_fields(want), strict=True):  # step 4: traced
         assert g[:2] == e[:2] and all(math.isfinite(x) for x in g[2:-1])
         assert g[2:] == pytest.approx(e[2:], rel=1e-6, abs=1e-12)
     assert w.monitor_errors_total == 0
@@ -503,7 +297,7 @@ def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import checkpoint
 
-    model = _gpt()
+    model = compile_gpt()
     eager = copy.deepcopy(model)
     if how == "wrapper":
         model.transformer.h = nn.ModuleList(checkpoint_wrapper(b) for b in model.transformer.h)
@@ -525,14 +319,14 @@ def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
     graph_runs = []
     for seed in range(6):  # monitored at 0, 2, 4: eager (force_eager); 1, 3, 5 compiled
         before = len(calls)
-        got, want = _step(compiled, w, seed=seed), _step(eager, w_eager, seed=seed)
+        got, want = compile_step(compiled, w, seed=seed), compile_step(eager, w_eager, seed=seed)
         graph_runs.append(len(calls) - before)
         if got is None:
             continue
-        for g, e in zip(_fields(got), _fields(want), strict=True):
+        for g, e in zip(report_fields(got), report_fields(want), strict=True):
             assert g[:2] == e[:2] and g[-1] == e[-1] == 8  # rows with c: counted once
             assert g[2:] == pytest.approx(e[2:], rel=1e-5, abs=1e-10)
-        assert _stance() == "default"  # the next step is unmonitored
+        assert dynamo_stance() == "default"  # the next step is unmonitored
     assert graph_runs == [0, 1, 0, 1, 0, 1]  # the graph survives the monitored steps
     assert all(st.compiled.checkpointed and not st.compiled.traced for st in w.layer_states)
     assert w.monitor_errors_total == 0
@@ -543,13 +337,13 @@ def test_a_compiled_checkpointed_model_counts_each_forward_once(how):
 def test_a_deep_copy_of_a_watched_model_computes_with_its_own_weights():
     """The wrapped forward is the module's class's, so `self` is the copy (an EMA copy,
     a DataParallel replica), not the module the watcher was attached to."""
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():
             p.mul_(0.5)
-    x, _ = _batch()
+    x, _ = compile_batch()
     w.remove()  # forwards now pass straight through
     reference = copy.deepcopy(twin)
     for m in reference.modules():  # the copy keeps the watched class: compare unwatched
@@ -564,12 +358,12 @@ def test_blocks_compiled_one_by_one_share_their_graphs():
     Dynamo compiles Block.forward for the monitored and the unmonitored step only, not
     once per layer (10 layers: past Dynamo's recompile limit of 8 if it did)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**SMALL, "n_layer": 10}))
+    model = GPT(GPTConfig(**{**TINY, "n_layer": 10}))
     w = fw.watch(model, every_n_steps=2)
     counter = CompileCounter()
     for block in model.transformer.h:
         block.compile(backend=counter)
-    x, _ = _batch()
+    x, _ = compile_batch()
     reports = []
     for _ in range(6):  # monitored (eager), unmonitored, monitored (traced), ...
         model(x)[0].sum().backward()
