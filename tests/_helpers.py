@@ -3,7 +3,8 @@ test_capture, test_probing, test_aggregate, test_monitored_step): a small GPT an
 training loop, small attention layers, the planted persistent δ error of docs/design.md
 §1, activation checkpointing. For the Prometheus tests: a scrape, its samples by name, a
 mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches. For
-the torch.compile tests: a tiny GPT, its autocast step, report fields, Dynamo's stance."""
+the torch.compile tests: a tiny GPT, its autocast step, report fields, Dynamo's stance.
+For the QK-clip tests: a GPT and a Llama with q/k biases, token batches."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, Mode
 from flashwatch import dispatch as fw_dispatch
-from standins import TiedAttention, leaning_dispatch
+from standins import LlamaConfig, TiedAttention, TinyLlama, leaning_dispatch
 
 SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
 
@@ -242,3 +243,34 @@ def report_fields(report):
 
 def dynamo_stance():
     return torch._dynamo.eval_frame._stance.stance
+
+
+def llama_with_qk_bias():
+    """TinyLlama (4 query heads, 2 kv heads) with Qwen-style q/k biases."""
+    model = TinyLlama(LlamaConfig())
+    for layer in model.model.layers:
+        a = layer.self_attn
+        for name in ("q_proj", "k_proj"):
+            old = getattr(a, name)
+            new = nn.Linear(old.in_features, old.out_features, bias=True)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                new.bias.normal_(0, 0.05)
+            setattr(a, name, new)
+    return model
+
+
+def qk_gpt():
+    """A 2-layer, 4-head GPT with non-zero c_attn biases (QK-clip tests)."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32))
+    with torch.no_grad():  # nanoGPT starts biases at 0; non-zero so their scaling shows
+        for block in model.transformer.h:
+            block.attn.c_attn.bias.normal_(0, 0.05)
+    return model
+
+
+def token_batch(model, seed=0, B=2, N=16):
+    """Random tokens of a vocabulary of 64 (QK-clip tests)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = 64
+    return torch.randint(0, vocab, (B, N), generator=g)
