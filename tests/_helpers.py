@@ -4,11 +4,13 @@ training loop, small attention layers, the planted persistent δ error of docs/d
 §1, activation checkpointing. For the Prometheus tests: a scrape, its samples by name, a
 mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches. For
 the torch.compile tests: a tiny GPT, its autocast step, report fields, Dynamo's stance.
-For the QK-clip tests: a GPT and a Llama with q/k biases, token batches."""
+For the QK-clip tests: a GPT and a Llama with q/k biases, token batches. For the
+dashboard tests: the metric names a PromQL expression selects."""
 
 from __future__ import annotations
 
 import math
+import re
 import urllib.request
 
 import pytest
@@ -274,3 +276,29 @@ def token_batch(model, seed=0, B=2, N=16):
     g = torch.Generator().manual_seed(seed)
     vocab = 64
     return torch.randint(0, vocab, (B, N), generator=g)
+
+
+_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+             "group_right", "offset", "bool", "inf", "nan", "atan2"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """Metric names a PromQL expression selects (a small tokenizer, enough for ours).
+
+    Removes what cannot be a metric name -- string literals, label matchers {...},
+    ranges [...], label lists of by/without/on/ignoring/group_*, numbers, `offset d` --
+    then every remaining identifier not followed by "(" (a function or aggregation)
+    and not a keyword is a metric name.
+    """
+    s = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`', '""', expr)
+    s = re.sub(r"\{[^{}]*\}", " ", s)
+    s = re.sub(r"\[[^\[\]]*\]", " ", s)
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    s = re.sub(r"\boffset\s+-?\w+", " ", s)
+    s = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", s)
+    names = set()
+    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
+        if re.match(r"\s*\(", s[m.end():]) or m.group().lower() in _KEYWORDS:
+            continue
+        names.add(m.group())
+    return names

@@ -1,6 +1,7 @@
-"""dashboards/: Prometheus rules (promtool), the Grafana dashboard JSON and the Grafana
-alert rules, checked offline, and every dashboard query run against a real Prometheus
-that scrapes a training job (docs/design.md §7).
+"""dashboards/: the metric names every query uses exist, the Grafana dashboard JSON and
+the Grafana alert rules checked offline, and every dashboard query run against a real
+Prometheus that scrapes a training job (docs/design.md §7). The Prometheus rules under
+promtool: tests/test_dashboards_rules.py.
 
 promtool and prometheus come with Debian's `prometheus` package (`make test` installs it).
 When they are missing these tests FAIL (never skip): CI must not go green without them.
@@ -11,16 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
-import subprocess
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pytest
 import yaml
+from _helpers import promql_metric_names
 
 from flashwatch import Event, Mode
 from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
@@ -34,11 +33,8 @@ DASHBOARD = DASH / "grafana" / "flashwatch.json"
 GRAFANA_ALERTS = DASH / "grafana" / "provisioning" / "alerting" / "flashwatch-alerts.yaml"
 DASHBOARD_PROVISIONING = DASH / "grafana" / "provisioning" / "dashboards" / "flashwatch.yaml"
 DOCS = ROOT / "docs" / "dashboards.md"
-RUNBOOKS = ROOT / "README.md"  # runbook_url anchors point at README sections
-
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms"}
-SEVERITIES = {"critical", "warning", "info"}
 
 
 def _load_generator():
@@ -95,34 +91,6 @@ def _label_values(var) -> tuple[str, str]:
     return m.group(1), m.group(2)
 
 
-# ------------------------------------------------------------ PromQL metric names
-
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "offset", "bool", "inf", "nan", "atan2"}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """Metric names a PromQL expression selects (a small tokenizer, enough for ours).
-
-    Removes what cannot be a metric name -- string literals, label matchers {...},
-    ranges [...], label lists of by/without/on/ignoring/group_*, numbers, `offset d` --
-    then every remaining identifier not followed by "(" (a function or aggregation)
-    and not a keyword is a metric name.
-    """
-    s = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`', '""', expr)
-    s = re.sub(r"\{[^{}]*\}", " ", s)
-    s = re.sub(r"\[[^\[\]]*\]", " ", s)
-    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
-    s = re.sub(r"\boffset\s+-?\w+", " ", s)
-    s = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", s)
-    names = set()
-    for m in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", s):
-        if re.match(r"\s*\(", s[m.end():]) or m.group().lower() in _KEYWORDS:
-            continue
-        names.add(m.group())
-    return names
-
-
 def test_metric_name_parser_finds_names_and_catches_typos():
     assert promql_metric_names(
         'sum by (layer, head) (increase(flashwatch_mitigations_total{job=~"$job"}'
@@ -158,84 +126,6 @@ def test_every_metric_name_exists_in_the_exporter_or_the_recording_rules():
             used |= names
     # and the other way round: every exported metric is shown or alerted on somewhere
     assert set(METRIC_NAMES) - used == set()
-
-
-# ------------------------------------------------------------------------ promtool
-
-
-def test_promtool_check_rules():
-    r = subprocess.run([prometheus_tool("promtool"), "check", "rules", str(RULES)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "SUCCESS" in r.stdout
-
-
-def test_promtool_test_rules():
-    r = subprocess.run([prometheus_tool("promtool"), "test", "rules", str(RULES_TEST)],
-                       capture_output=True, text=True, timeout=60, cwd=RULES_TEST.parent)
-    assert r.returncode == 0, r.stdout + r.stderr
-
-
-def _promtool_test_with(tmp_path, rules: dict) -> subprocess.CompletedProcess:
-    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules, sort_keys=False))
-    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
-    return subprocess.run([prometheus_tool("promtool"), "test", "rules", RULES_TEST.name],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
-
-
-@pytest.mark.parametrize("alert", [r["alert"] for r in _alerts()])
-def test_rule_tests_catch_an_alert_that_never_fires(tmp_path, alert):
-    """The unit tests are able to fail: a rule that cannot fire must break them."""
-    rules = yaml.safe_load(RULES.read_text())
-    for g in rules["groups"]:
-        for r in g["rules"]:
-            if r.get("alert") == alert:
-                r["expr"] = "vector(1) == 0"
-    r = _promtool_test_with(tmp_path, rules)
-    assert r.returncode != 0 and alert in r.stdout + r.stderr
-
-
-@pytest.mark.parametrize("alert", [r["alert"] for r in _alerts() if "for" in r])
-def test_rule_tests_check_the_for_duration(tmp_path, alert):
-    """Dropping an alert's `for:` must break its "not yet firing" check."""
-    rules = yaml.safe_load(RULES.read_text())
-    for g in rules["groups"]:
-        for r in g["rules"]:
-            if r.get("alert") == alert:
-                del r["for"]
-    r = _promtool_test_with(tmp_path, rules)
-    assert r.returncode != 0 and alert in r.stdout + r.stderr
-
-
-# ----------------------------------------------------------- alert rule contents
-
-
-def _anchor(heading: str) -> str:
-    """GitHub's anchor for a Markdown heading."""
-    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
-    return text.replace(" ", "-")
-
-
-def test_alerts_have_severity_summary_description_and_a_runbook_that_exists():
-    doc_anchors = {_anchor(m.group(1)) for m in
-                   re.finditer(r"^#{1,6}\s+(.+)$", RUNBOOKS.read_text(), re.M)}
-    seen = set()
-    for r in _alerts():
-        name, ann = r["alert"], r["annotations"]
-        assert r["labels"]["severity"] in SEVERITIES, name
-        assert ann["summary"].strip() and ann["description"].strip(), name
-        url = ann["runbook_url"]
-        assert url == f"https://github.com/flashwatch/flashwatch#alert-{name.lower()}", url
-        anchor = url.split("#", 1)[1]
-        assert anchor in doc_anchors, f"{name}: no heading with anchor #{anchor} in {RUNBOOKS}"
-        assert anchor not in seen
-        seen.add(anchor)
-        per_head = promql_metric_names(r["expr"]) - {"up", "flashwatch_monitor_step",
-                                                      "flashwatch_monitor_seconds",
-                                                      "flashwatch_monitor_errors_total"}
-        if per_head:  # an alert about a head must say which one
-            for label in ("$labels.layer", "$labels.head"):
-                assert label in ann["description"] and label in ann["summary"], (name, label)
 
 
 def test_grafana_alert_rules_are_equivalent_to_the_prometheus_alerts():
@@ -280,9 +170,6 @@ def test_dashboard_provisioning_file():
     assert doc["apiVersion"] == 1
     (provider,) = doc["providers"]
     assert provider["type"] == "file" and provider["options"]["path"].startswith("/")
-
-
-# --------------------------------------------------------- dashboard JSON structure
 
 
 def test_dashboard_structure_grafana_needs():
@@ -353,8 +240,6 @@ def test_dashboard_structure_grafana_needs():
 def _var_refs(expr: str) -> set[str]:
     return set(re.findall(r"\$\{?(\w+)", expr))
 
-
-# ------------------------------------------------------- live Prometheus, end to end
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 SCRAPE_JOB = "flashwatch"
