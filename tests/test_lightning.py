@@ -1,5 +1,6 @@
 """flashwatch.integrations.lightning: a real Lightning Trainer (CPU, bf16-mixed) with
-FlashWatchCallback: logged keys, resume, gradient accumulation, two DDP ranks."""
+FlashWatchCallback: its config, logged keys, resume, gradient accumulation, validation.
+Two-process strategies (DDP, FSDP2): tests/test_lightning_strategies.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import logging
 import math
 import os
 import re
-import socket
 import urllib.request
 
 import lightning.pytorch as pl
@@ -21,10 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
-from flashwatch import dispatch as fw_dispatch
 from flashwatch.integrations.lightning import FlashWatchCallback
 from flashwatch.integrations.prometheus import PrometheusSink
-from standins import TiedAttention, leaning_dispatch
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 LAYERS = ["model.transformer.h.0.attn", "model.transformer.h.1.attn"]
@@ -78,9 +76,6 @@ def _comparable(report):
     return d
 
 
-# ------------------------------------------------------------------------- arguments
-
-
 def test_config_and_fields_are_taken_like_the_hf_callback_and_unknown_ones_are_named():
     cb = FlashWatchCallback(every_n_steps=3, mitigation="auto")
     assert cb.config == fw.WatchConfig(every_n_steps=3, mitigation="auto")
@@ -103,9 +98,6 @@ def test_config_and_fields_are_taken_like_the_hf_callback_and_unknown_ones_are_n
         FlashWatchCallback(top_k=-1)
     with pytest.raises(TypeError, match="log_per_head must be True or False, got 1"):
         FlashWatchCallback(log_per_head=1)
-
-
-# ------------------------------------------------------------------ logging to CSV
 
 
 class ScrapeAtEnd(pl.Callback):
@@ -204,9 +196,6 @@ def test_unwatchable_module_warns_once_and_trains(tmp_path):
     assert sum("not watching" in str(w.message) for w in rec) == 1
 
 
-# ---------------------------------------------------------------- accumulation
-
-
 def test_accumulate_grad_batches_gives_one_monitor_step_per_optimizer_step(tmp_path):
     sink = ListSink()
     cb = FlashWatchCallback(every_n_steps=1, sinks=[sink])
@@ -215,9 +204,6 @@ def test_accumulate_grad_batches_gives_one_monitor_step_per_optimizer_step(tmp_p
     assert trainer.global_step == 3
     assert [r.step for r in sink.reports] == [0, 1, 2]
     assert cb.state_dict()["watcher"]["step"] == 3
-
-
-# ------------------------------------------------------- validation, isolation
 
 
 class LitGPTVal(LitGPT):
@@ -251,9 +237,6 @@ def test_a_failing_lightning_log_never_stops_training(tmp_path, caplog):
         trainer.fit(Broken(), _data(3))
     assert trainer.global_step == 3 and len(sink.reports) == 3
     assert sum("logging through Lightning failed" in r.message for r in caplog.records) == 1
-
-
-# ----------------------------------------------------------------------- resume
 
 
 class SetModesAt(pl.Callback):
@@ -293,71 +276,6 @@ def test_resume_from_checkpoint_restores_modes_and_continues_identically(tmp_pat
     assert final2["events"] == final["events"]
 
 
-# --------------------------------------------------------------------------- DDP
-
-
-class LitTied(pl.LightningModule):
-    """Rank 0: a kernel whose O leans positive and a fixed input with loss = sum, so its
-    δ error persists in sign. Rank 1: the plain kernel and a new input each step; alone it
-    never triggers a switch (tests/test_watcher.py checks that control). lr = 0 keeps
-    the weights, and so the planted condition, fixed while optimizer steps still count."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(7)
-        self.tied, self.plain = TiedAttention(C=16, tie=True), TiedAttention(C=16)
-
-    def setup(self, stage):
-        if self.global_rank == 0:
-            # this spawned process only
-            fw_dispatch._dispatch = leaning_dispatch(fw_dispatch._dispatch, 2e-2)
-        self.gen = torch.Generator().manual_seed(self.global_rank)
-        self.fixed = torch.randn(2, 8, 16, generator=self.gen)
-
-    def training_step(self, batch, batch_idx):
-        x = self.fixed if self.global_rank == 0 else torch.randn(2, 8, 16, generator=self.gen)
-        return self.plain(x + self.tied(x)).float().sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-class DumpModes(pl.Callback):
-    def __init__(self, out_dir):
-        self.out_dir = out_dir
-
-    def on_train_end(self, trainer, pl_module):
-        cb = next(c for c in trainer.callbacks if isinstance(c, FlashWatchCallback))
-        torch.save({"modes": cb.watcher.head_modes(),
-                    "events": [e.to_dict() for e in cb.watcher.events],
-                    "port": cb.watcher.sinks[-1].port},
-                   os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
-
-
-def test_two_ddp_ranks_end_with_identical_modes(tmp_path):
-    with socket.socket() as s:  # a free base port; each rank serves on base + local rank
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-    cb = FlashWatchCallback(every_n_steps=1, mitigation="auto", min_history=8, patience=2,
-                            verify_steps=8, window=32, prometheus_port=base)
-    data = DataLoader(TensorDataset(torch.zeros(60, 1)), batch_size=1)  # 30 steps per rank
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn",
-                         precision="bf16-mixed", max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, callbacks=[cb, DumpModes(str(tmp_path))],
-                         default_root_dir=tmp_path)
-    trainer.fit(LitTied(), data)
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
-    assert (r0.pop("port"), r1.pop("port")) == (base, base + 1)
-    assert r0 == r1
-    assert r0["modes"]["tied"] != [Mode.STANDARD] * 2  # the reduced numbers moved both
-    assert r0["modes"]["plain"] == [Mode.STANDARD] * 2
-
-
-# ------------------------------------------------------------ configure_model
-
-
 class LitBuiltLate(LitGPT):
     """Layers built in configure_model(), the pattern Lightning recommends for FSDP."""
 
@@ -379,55 +297,3 @@ def test_layers_built_in_configure_model_are_watched(tmp_path):
     assert len(sink.reports) == 3
     assert sorted({h.layer for h in sink.reports[-1].heads}) == LAYERS
     assert all(math.isfinite(h.wq_spectral_norm) for h in sink.reports[-1].heads)
-
-
-def test_fsdp2_model_parallel_strategy_on_two_cpu_processes(tmp_path):
-    """FSDP2 through Lightning (`ModelParallelStrategy`, fully_shard in configure_model):
-    watched after sharding, W^Q norms of the unsharded weights, identical on both ranks.
-    (Lightning's strategy="fsdp", FSDP1, refuses accelerator="cpu".)"""
-    import subprocess
-    import sys
-
-    job = os.path.join(os.path.dirname(__file__), "fsdp2_job.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, job, str(tmp_path)], check=True, env=env, timeout=600,
-                   cwd=tmp_path)
-    r0 = torch.load(tmp_path / "rank0.pt", weights_only=False)
-    r1 = torch.load(tmp_path / "rank1.pt", weights_only=False)
-    assert r0["errors"] == r1["errors"] == 0
-    assert len(r0["reports"]) == 3
-    for a, b in zip(r0["reports"], r1["reports"], strict=True):
-        a.pop("monitor_seconds"), b.pop("monitor_seconds")
-        assert a == b
-    for h in r0["reports"][-1]["heads"]:
-        want = r0["exact"][h["layer"]][h["head"]]
-        assert abs(h["wq_spectral_norm"] - want) <= 1e-3 * want, h
-
-
-def test_logged_counters_count_confirmed_events_never_decisions():
-    """flashwatch/mitigations_total and qk_clips_total count report.confirmed: a mode
-    decided then withdrawn counts 0, a confirmed one counts once (both callbacks share
-    this code, integrations/shared.py)."""
-    from types import SimpleNamespace
-
-    from flashwatch import Event, HeadRecord, StepReport
-    from flashwatch.integrations import shared
-
-    def ev(head, to_mode, applied=True, kind="mode"):
-        return Event(step=1, layer="l", head=head, from_mode=Mode.STANDARD, to_mode=to_mode,
-                     reason="test", applied=applied, kind=kind)
-
-    heads = [HeadRecord(layer="l", head=h) for h in range(2)]
-    decided, withdrawn = ev(0, Mode.FP32_O), ev(0, Mode.FP32_O, applied=False)
-    ran, clip = ev(1, Mode.BETA), ev(1, Mode.STANDARD, kind="qk_clip")
-    reports = shared.Reports()
-    watcher = SimpleNamespace(monitor_errors_total=0)
-    totals = []
-    for events, confirmed in (([decided], []), ([withdrawn], []), ([ran, clip], []),
-                              ([], [ran, clip]), ([], [])):
-        reports.add(StepReport(step=len(totals), heads=heads, events=events,
-                               confirmed=confirmed))
-        m = shared.logged_metrics(reports.take(), watcher, reports, top_k=0,
-                                  log_per_head=False)
-        totals.append((m["flashwatch/mitigations_total"], m["flashwatch/qk_clips_total"]))
-    assert totals == [(0, 0), (0, 0), (0, 0), (1, 1), (1, 1)]
