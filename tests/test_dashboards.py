@@ -160,7 +160,9 @@ def test_grafana_alert_rules_are_equivalent_to_the_prometheus_alerts():
 
 def test_generated_files_match_the_generator():
     gen = _load_generator()
-    for path, text in gen.render().items():
+    files = gen.render()
+    assert set(files) == {DASHBOARD, GRAFANA_ALERTS}  # both generated files are compared
+    for path, text in files.items():
         assert path.read_text() == text, (f"{path} differs from dashboards/grafana/"
                                           f"generate.py: run it and commit the output")
 

@@ -81,6 +81,7 @@ def test_alerts_have_severity_summary_description_and_a_runbook_that_exists():
     doc_anchors = {_anchor(m.group(1)) for m in
                    re.finditer(r"^#{1,6}\s+(.+)$", RUNBOOKS.read_text(), re.M)}
     seen = set()
+    assert _alerts(), RULES  # a rules file without alerts would pass every check below
     for r in _alerts():
         name, ann = r["alert"], r["annotations"]
         assert r["labels"]["severity"] in SEVERITIES, name

@@ -170,7 +170,8 @@ def test_planted_head_ranks_first():
     assert top["verdict"] != "ok" and top["rank"] == 1
     assert top["wq_ratio"] > 20 and top["tied_ratio"] > 0.1 and top["max_logit"] > 100
     assert top["qk_clip_eta"] == pytest.approx(100.0 / top["max_logit"])
-    assert "set_head_modes" in top["recommendation"] or "qk_clip" in top["recommendation"]
+    # logits over τ: whatever the verdict, QK-clip with this head's own η is recommended
+    assert f"η = {top['qk_clip_eta']:.3g}" in top["recommendation"], top["recommendation"]
     others = res["heads"][1:]
     assert all(h["max_logit"] < 10 for h in others)
 
