@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
-from test_compile import SMALL, _fresh_dynamo, _gpt  # noqa: F401  (the autouse fixture)
+from _helpers import TINY, compile_gpt
 from torch._dynamo.testing import CompileCounter
 from torch.utils.checkpoint import checkpoint
 
 import flashwatch as fw
 from flashwatch import attach
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _step(model, watcher, seed=0):
@@ -32,9 +35,9 @@ def _hook_counts(model):
 
 
 def test_step_hooks_are_registered_on_monitored_steps_only():
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=3)
-    n = SMALL["n_layer"]
+    n = TINY["n_layer"]
     seen = []
     for step in range(7):
         seen.append(_hook_counts(model))
@@ -84,7 +87,7 @@ def test_an_unmonitored_step_runs_only_the_forward_wrapper():
     """What an unmonitored step pays in the model (benchmarks/bench_watcher.py reads its
     cost as 0): one call of the swapped forward per layer, forward and backward, and not
     one tensor op more than the unwatched model."""
-    plain, watched = _gpt(), _gpt()
+    plain, watched = compile_gpt(), compile_gpt()
     w = fw.watch(watched, every_n_steps=2)
     _step(watched, w)  # the monitored step 0; step 1 is not monitored
 
@@ -95,16 +98,16 @@ def test_an_unmonitored_step_runs_only_the_forward_wrapper():
         loss.backward()
 
     calls, ops = _flashwatch_calls_and_ops(lambda: train(watched))
-    assert dict(calls) == {"forward": SMALL["n_layer"]}
+    assert dict(calls) == {"forward": TINY["n_layer"]}
     assert ops == _flashwatch_calls_and_ops(lambda: train(plain))[1]
     w.step()  # step 2 is monitored: the same count sees the probe
     calls, more_ops = _flashwatch_calls_and_ops(lambda: train(watched))
-    assert calls["_probe"] == SMALL["n_layer"] and more_ops > ops
+    assert calls["_probe"] == TINY["n_layer"] and more_ops > ops
     w.remove()
 
 
 def test_paused_steps_and_resumed_state_arm_the_hooks_of_the_step_they_are_at():
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=2)
     _step(model, w)
     state = w.state_dict()  # taken at step 1: unmonitored
@@ -117,7 +120,7 @@ def test_paused_steps_and_resumed_state_arm_the_hooks_of_the_step_they_are_at():
 
 
 def test_compiled_unmonitored_steps_do_not_recompile_when_hooks_come_and_go():
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=2)
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter)
@@ -133,7 +136,7 @@ def test_compiled_unmonitored_steps_do_not_recompile_when_hooks_come_and_go():
 
 
 def test_a_watched_module_gets_one_shared_subclass_and_gets_its_class_back():
-    model = _gpt()
+    model = compile_gpt()
     base = type(model.transformer.h[0].attn)
     w = fw.watch(model)
     classes = {type(b.attn) for b in model.transformer.h}
@@ -169,7 +172,7 @@ def _compiles() -> bool:
 
 
 def test_the_eager_stance_holds_while_any_watcher_measures():
-    a, b = _gpt(0), _gpt(1)
+    a, b = compile_gpt(0), compile_gpt(1)
     # route_all: routed layers run eagerly, so their measured steps use force_eager
     wa = fw.watch(a, every_n_steps=2, route_all=True)
     wb = fw.watch(b, every_n_steps=3, route_all=True)
@@ -191,7 +194,7 @@ def test_a_watcher_dropped_while_measuring_gives_the_stance_back():
     measured, must not leave every later torch.compile in the process running eagerly."""
     import gc
 
-    model = _gpt()
+    model = compile_gpt()
     w = fw.watch(model, every_n_steps=1, route_all=True)
     _step(model, w)
     assert not _compiles()  # measuring: a new compile runs eagerly (force_eager)
