@@ -81,7 +81,7 @@ def autocast_qkv(q, k, v):
 
 
 # Dynamo traces a TorchFunctionMode entered inside compiled code in recent torch only;
-# checked with 2.13 (tests/test_compile.py). Older: the force_eager path, as before.
+# checked with 2.13 (tests/test_traced.py). Older: the force_eager path, as before.
 SUPPORTED = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
 
 

@@ -69,7 +69,7 @@ def families(snap: Snapshot | None) -> list:
 
 def render(snap: Snapshot | None) -> bytes:
     """The text exposition format of a snapshot, byte for byte what prometheus_client's
-    generate_latest writes (tests/test_prometheus.py), 3–6× faster: label strings are
+    generate_latest writes (tests/test_prometheus_render.py), 3–6× faster: label strings are
     built once per head, not once per sample (5,120 heads: 66,563 samples,
     benchmarks/bench_scale.py)."""
     lines = []
