@@ -5,7 +5,8 @@ training loop, small attention layers, the planted persistent δ error of docs/d
 mode-switch event. For the diagnose tests: tiny GPT and Llama models, token batches. For
 the torch.compile tests: a tiny GPT, its autocast step, report fields, Dynamo's stance.
 For the QK-clip tests: a GPT and a Llama with q/k biases, token batches. For the
-dashboard tests: the metric names a PromQL expression selects."""
+dashboard tests: the metric names a PromQL expression selects. For the policy tests:
+signal values, tie ratios and modes of three heads, a Policy over them."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, Mode
 from flashwatch import dispatch as fw_dispatch
+from flashwatch.config import WatchConfig
+from flashwatch.policy import Policy
+from flashwatch.signals import SignalValues
 from standins import LlamaConfig, TiedAttention, TinyLlama, leaning_dispatch
 
 SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)
@@ -302,3 +306,34 @@ def promql_metric_names(expr: str) -> set[str]:
             continue
         names.add(m.group())
     return names
+
+
+# policy tests (test_policy, test_policy_rules): three heads in two layers.
+HEADS = [("h.0.attn", 0), ("h.0.attn", 1), ("h.1.attn", 0)]
+
+
+def svals(z=0.0, coh=0.0, growth=0.0, fill=64, n=3):
+    """SignalValues of n heads: drift z, coherence, spectral growth, window fill."""
+    def vec(x, dtype=torch.float64):
+        t = torch.as_tensor(x, dtype=dtype)
+        return t.expand(n).clone() if t.dim() == 0 else t
+    return SignalValues(r_projection=vec(0.0), r_projection_cumulative=vec(0.0),
+                        delta_drift_z=vec(z), delta_coherence=vec(coh),
+                        spectral_growth=vec(growth), window_fill=vec(fill, torch.int64))
+
+
+def tvec(x=0.05, n=3):
+    """Tie ratios of n heads (float64): x for each, or the list x."""
+    if isinstance(x, list):
+        return torch.tensor(x, dtype=torch.float64)
+    return torch.full((n,), x, dtype=torch.float64)
+
+
+def mvec(*m):
+    """Head modes (int64), STANDARD for the three heads by default."""
+    return torch.tensor(m or (0, 0, 0), dtype=torch.int64)
+
+
+def policy(mitigation="auto", **kw):
+    """A Policy over HEADS."""
+    return Policy(WatchConfig(mitigation=mitigation, **kw), HEADS)
