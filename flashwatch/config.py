@@ -100,7 +100,7 @@ class WatchConfig:
     # --seed 0` (and 1), lr 3e-3: share median 0.0008, 99th percentile 0.006–0.008 over
     # 4,800 head-steps each, no event from any rule. Synthetic streams: 0 of 200 heads
     # switched in 1000 monitored steps at a true share of 0.07, all 200 at 0.2
-    # (tests/test_policy.py).
+    # (tests/test_policy_rules.py).
     delta_share_threshold: float = 0.1
     # Consecutive monitored steps at or above the threshold before acting (one noisy
     # 64-row estimate never acts).
@@ -111,7 +111,7 @@ class WatchConfig:
     # policy picks FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
     # backend="paper" the limit is at most 20: the authors' unguarded rule floors a tied
     # row's block sum from ≈ 23.7 nats (O shrinks) and zeroes rows from ≈ 88 nats
-    # (tests/test_policy.py).
+    # (tests/test_policy_rules.py).
     beta_max_excess: float = 60.0
     # The W^Q-growth rule flags a head only while its max logit is at least this. At
     # ordinary settings logits stay at 15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo
