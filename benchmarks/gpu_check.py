@@ -314,7 +314,7 @@ def check_speed(cfg: dict, n: int, d: int, causal: bool) -> dict:
 
 
 def tuned_configs() -> dict:
-    """The autotuner's pick per key, from kernels/triton_attention.py's TUNED."""
+    """The autotuner's pick per key, from flashwatch/kernels/triton_attention.py's TUNED."""
     from flashwatch.kernels import triton_attention as ta
 
     tuned = getattr(ta, "TUNED", ())
@@ -325,7 +325,7 @@ def tuned_configs() -> dict:
 # ------------------------------------------------------------------ compile counts
 def compile_estimate(cfg: dict) -> dict:
     """Triton compiles and autotune runs each stage would trigger on the GPU, from
-    kernels/triton_tuning.py's spaces and keys. A compiled variant is one (kernel, D,
+    flashwatch/kernels/triton_tuning.py's spaces and keys. A compiled variant is one (kernel, D,
     causal, counters, config): N enters the key as its power-of-two bucket but the
     kernel as runtime ints (specialised only on divisibility by 16), so N 2048 and 4096
     share binaries but each tunes. Plus the untuned δ and dQ-out kernels, one per D."""

@@ -2,7 +2,7 @@
 
     python -m reproduction.compiled_paper [--batch 8 --heads 4 --seq 64 --dim 16]
 
-kernels/paper.py is the authors' attention run eagerly: every op in BF16, each result
+flashwatch/kernels/paper.py is the authors' attention run eagerly: every op in BF16, each result
 rounded. Inductor may fuse ops and keep intermediates in FP32, which would change the
 rounding the study measures. This compiles the same forward and backward functions with
 inductor (CPU) and compares them with eager on identical BF16 inputs, at typical

@@ -3,7 +3,7 @@ diagnosis, with the forward left exactly as it was.
 
 `Fp32DeltaAttention` runs backend="paper"'s forward with every head in Mode.FP32_O, whose
 BF16 O and LSE are bit-identical to STANDARD's and which also keeps the forward's
-accumulation in FP32 (kernels/paper.py). When `fp32_delta` is set at backward time the
+accumulation in FP32 (flashwatch/kernels/paper.py). When `fp32_delta` is set at backward time the
 backward is the paper backend's FP32_O one (δ = rowsum(dO ∘ O_fp32), dS formed in FP32
 and rounded once); otherwise it is exactly backend="paper"'s STANDARD backward.
 `RouteSDPA` sends the model's causal F.scaled_dot_product_attention calls to it. Used by

@@ -1,4 +1,4 @@
-"""kernels/common.py: input validation, Mode, AttentionStats."""
+"""flashwatch/kernels/common.py: input validation, Mode, AttentionStats."""
 
 from __future__ import annotations
 

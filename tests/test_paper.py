@@ -1,4 +1,4 @@
-"""kernels/paper.py (backend="paper"): bitwise against an independent statement of the
+"""flashwatch/kernels/paper.py (backend="paper"): bitwise against an independent statement of the
 authors' arithmetic, and masks; rows checked by hand: tests/test_paper_rows.py.
 
 The oracle below restates that arithmetic one head at a time ([N, D] tensors), with

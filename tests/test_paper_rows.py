@@ -1,4 +1,4 @@
-"""kernels/paper.py (backend="paper"), rows checked by hand: a fully masked block under
+"""flashwatch/kernels/paper.py (backend="paper"), rows checked by hand: a fully masked block under
 the tie rule rescales to a maximum of 0, the tie rule is unguarded and collapses tied
 rows, two tied maxima at 896 give a row sum of 2."""
 

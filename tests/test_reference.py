@@ -1,4 +1,4 @@
-"""kernels/reference.py: accuracy, exact counters, BETA, FP32_O and the paper arithmetic."""
+"""flashwatch/kernels/reference.py: accuracy, exact counters, BETA, FP32_O, paper arithmetic."""
 
 from __future__ import annotations
 

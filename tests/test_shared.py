@@ -9,7 +9,7 @@ from flashwatch import Mode
 def test_logged_counters_count_confirmed_events_never_decisions():
     """flashwatch/mitigations_total and qk_clips_total count report.confirmed: a mode
     decided then withdrawn counts 0, a confirmed one counts once (both callbacks share
-    this code, integrations/shared.py)."""
+    this code, flashwatch/integrations/shared.py)."""
     from types import SimpleNamespace
 
     from flashwatch import Event, HeadRecord, StepReport

@@ -1,4 +1,4 @@
-"""The interpreter-safe rounding helpers of kernels/triton_helpers.py, on every bf16 bit
+"""The interpreter-safe rounding helpers of flashwatch/kernels/triton_helpers.py, on every bf16 bit
 pattern and on torch's round-to-nearest-even (tests/conftest.py sets TRITON_INTERPRET=1;
 with a GPU and TRITON_INTERPRET=0 the native path runs the same checks)."""
 

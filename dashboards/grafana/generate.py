@@ -42,7 +42,7 @@ SEL = 'job=~"$job", layer=~"$layer", head=~"$head"'  # per-head series
 JOB = 'job=~"$job"'  # job-level series (no layer/head labels)
 TOPK = 5  # "worst heads" panels show this many
 
-# Head modes (kernels/common.py Mode; values are stable, stored in checkpoints).
+# Head modes (flashwatch/kernels/common.py Mode; values are stable, stored in checkpoints).
 MODE_MAPPING = [{"type": "value", "options": {
     "0": {"text": "STANDARD", "color": "green", "index": 0},
     "1": {"text": "BETA", "color": "yellow", "index": 1},

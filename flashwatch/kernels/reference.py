@@ -13,7 +13,7 @@ Masks and softcap (`attention(attn_mask=, softcap=)`): each block's scores are
   scores never count as ties or max logit (`common.update_ties`); a row with no visible
   key gives O = 0 and LSE = +inf (`_finalize`), so its backward P and gradients are 0.
 
-`arithmetic="paper"` runs kernels/paper.py (the arithmetic of the paper's public
+`arithmetic="paper"` runs flashwatch/kernels/paper.py (the arithmetic of the paper's public
 implementation, forward and backward); `forward` and `backward` only forward to it, so
 this module is the one place that chooses the arithmetic (paper.py imports common.py
 only: no import cycle).

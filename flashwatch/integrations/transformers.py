@@ -38,7 +38,7 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
     every `report_to` integration — TensorBoard, W&B, MLflow, ... — gets the keys).
 
     Keyword arguments, as for the Lightning `FlashWatchCallback` (one implementation,
-    integrations/shared.py): config (a `flashwatch.WatchConfig`) and/or its fields as
+    flashwatch/integrations/shared.py): config (a `flashwatch.WatchConfig`) and/or its fields as
     keywords (a keyword replaces the config's value), sinks (yours: never closed by the
     callback), sites, log_per_head, top_k, prometheus_port (an endpoint on this base port
     + local process index, closed at train end), prometheus_addr,

@@ -10,7 +10,7 @@ Design:
   HTTP thread's `collect()` reads that tuple under the same lock (a pointer read) and
   builds the metric families from it. The training thread never waits for a scrape
   beyond that pointer swap and never does any formatting.
-- The page is rendered once per report by `render` (integrations/prometheus_render.py:
+- The page is rendered once per report by `render` (flashwatch/integrations/prometheus_render.py:
   prometheus_client's text format,
   byte for byte, 3–6× faster than generate_latest: 5,120 heads, 67k samples, took
   0.5–0.95 s of GIL-holding Python with generate_latest), on the HTTP thread at the
@@ -20,7 +20,7 @@ Design:
   HTTP) holding the GIL; at 50 scrapes/s a CPU training step of a 12×12-head GPT took
   2.2× as long (first run of benchmarks/bench_prometheus.py, 2-core machine). So the
   server here is a small stdlib HTTPServer serving the cached page.
-- The server (integrations/prometheus_server.py) serves connections on a bounded pool
+- The server (flashwatch/integrations/prometheus_server.py) serves connections on a bounded pool
   of reused threads (`max_threads`, default 8) with a per-connection `timeout` (default
   5 s) and a listen backlog of 128, so idle connections and bursts never delay a scrape.
 - Per-head series come from global rank 0 only (by default): after the watcher's
@@ -107,7 +107,7 @@ class PrometheusSink:
                      the trainer's.
 
     Before the first report every metric family is served without samples. `server` is
-    the MetricsServer (integrations/prometheus_server.py) serving the page, None when
+    the MetricsServer (flashwatch/integrations/prometheus_server.py) serving the page, None when
     this process serves nothing; its `refused` counts connections closed because every
     thread was busy.
     """
