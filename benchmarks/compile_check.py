@@ -5,7 +5,7 @@ CPU-only machine, and measures registers and spills per autotune config with ptx
 
   python benchmarks/compile_check.py [--arch 90]            one config per kernel and D
   python benchmarks/compile_check.py --spills [--dtypes bf16 fp16]
-      every candidate config of kernels/triton_tuning.py (forward with STATS on and off:
+      every candidate config of flashwatch/kernels/triton_tuning.py (forward with STATS on and off:
       ptxas allocates them differently), a table of registers / spill bytes; exits 1 if a
       config inside the tuned space (FWD_SPACE, BWD_SPACE) spills. --space: only those.
       --causal 1: only the causal variant (a superset of the non-causal code).
@@ -35,7 +35,10 @@ from flashwatch.kernels import triton_tuning as tuning  # noqa: E402
 
 PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
 FP32_PTRS = {"O32", "LSE", "DELTA", "ST_MAX", "DQ32"}
-FLOATS = {"sm_scale", "qk_scale", "beta_m1", "eps", "guard", "min_excess"}
+FLOATS = {"sm_scale", "qk_scale", "cap", "beta_m1", "eps", "guard", "min_excess"}
+# attn_mask and softcap variants (constexprs MASK_KIND: 0 none, 1 bool read as u8, 2 float)
+PLAIN = dict(MASK_KIND=0, SOFTCAP=False)
+MASKED = [dict(MASK_KIND=1, SOFTCAP=False), dict(MASK_KIND=2, SOFTCAP=True)]
 
 
 def signature(fn, dt, constexprs):
@@ -48,6 +51,8 @@ def signature(fn, dt, constexprs):
             return "*fp32"
         if name in ("HEADS", "ST_CNT"):
             return "*i32"
+        if name == "MASK":
+            return "*u8" if constexprs.get("MASK_KIND") == 1 else "*fp32"
         return "fp32" if name in FLOATS else "i32"
     return {name: kind(name) for name in fn.arg_names}
 
@@ -80,12 +85,14 @@ def quick_jobs(dtypes):
         for d in (64, 128):
             fwd, bwd = tuning.FWD_FIXED[d], tuning.BWD_FIXED[d]
             for causal in (False, True):
-                for stats in (False, True):
+                for stats, extra in [(False, PLAIN), (True, PLAIN)] + [(True, m) for m in MASKED]:
                     c = dict(D=d, BLOCK_M=fwd[0], BLOCK_N=fwd[1], CAUSAL=causal,
-                             STATS=stats, INTERPRET=False)
+                             STATS=stats, INTERPRET=False, **extra)
                     jobs.append((ta._fwd_kernel, dt, c, *fwd[2:]))
-                c = dict(D=d, BLOCK_M=bwd[0], BLOCK_N=bwd[1], CAUSAL=causal, INTERPRET=False)
-                jobs.append((ta._bwd_kernel, dt, c, *bwd[2:]))
+                for extra in [PLAIN, *MASKED]:
+                    c = dict(D=d, BLOCK_M=bwd[0], BLOCK_N=bwd[1], CAUSAL=causal,
+                             INTERPRET=False, **extra)
+                    jobs.append((ta._bwd_kernel, dt, c, *bwd[2:]))
             for fn in (ta._bwd_prep, ta._bwd_dq_out):
                 jobs.append((fn, dt, dict(D=d, BLOCK_M=64, INTERPRET=False), 4, 1))
     return jobs
@@ -100,10 +107,11 @@ def spill_jobs(dtypes, causals):
                 for (bm, bn, w, s), stats in itertools.product(tuning.FWD_CANDIDATES,
                                                                 (True, False)):
                     c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=stats,
-                             INTERPRET=False)
+                             INTERPRET=False, **PLAIN)
                     jobs.append((ta._fwd_kernel, dt, c, w, s))
                 for bm, bn, w, s in tuning.BWD_CANDIDATES:
-                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False)
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False,
+                             **PLAIN)
                     jobs.append((ta._bwd_kernel, dt, c, w, s))
     return jobs
 
@@ -132,12 +140,13 @@ def main() -> int:
     if args.space:
         jobs = [j for j in jobs if in_space(j[0], j[2], j[3], j[4])]
     failures = spilling = 0
-    print("kernel       dtype D   causal stats BLOCK_M BLOCK_N warps stages regs "
+    print("kernel       dtype D   causal stats mask cap BLOCK_M BLOCK_N warps stages regs "
           "spill_st spill_ld smem  in_space")
     for fn, dt, consts, warps, stages in jobs:
         t0 = time.time()
         tag = f"{fn.__name__:12s} {dt:5s} {consts['D']:<3d} {consts.get('CAUSAL', '-')!s:6s} " \
-              f"{consts.get('STATS', '-')!s:5s}"
+              f"{consts.get('STATS', '-')!s:5s} {consts.get('MASK_KIND', '-')!s:4s} " \
+              f"{consts.get('SOFTCAP', '-')!s:3.3s}"
         try:
             k = compile_one(fn, dt, consts, warps, stages, args.arch)
             regs, st, ld = ptxas_usage(k.asm["ptx"], args.arch)

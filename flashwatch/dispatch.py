@@ -56,21 +56,23 @@ def _traceable_head_modes(head_modes, num_heads: int) -> torch.Tensor:
 
 
 class NotInKernel(RuntimeError):
-    """A call the resolved backend cannot run (an attn_mask or softcap on Triton): the
-    watcher leaves such calls on the original kernel instead of counting an error."""
+    """A call the resolved backend cannot run (a float attn_mask that requires grad on
+    Triton or "paper"): the watcher leaves such calls on the original kernel instead of
+    counting an error."""
 
 
-def _resolve_backend(backend: str, q: torch.Tensor, attn_mask=None, softcap=None) -> str:
+def _resolve_backend(backend: str, q: torch.Tensor, attn_mask=None) -> str:
     if backend == "auto":  # Triton where it runs natively, the reference for the rest
         triton_ok = (q.device.type == "cuda" and q.dtype in TRITON_DTYPES
                      and q.shape[-1] in TRITON_HEAD_DIMS)
         backend = "triton" if triton_ok else "reference"
-    if backend == "triton" and (attn_mask is not None or softcap is not None):
+    if backend in ("triton", "paper") and attn_mask is not None and \
+            attn_mask.requires_grad and torch.is_grad_enabled():
         # Not silently the reference on CUDA: it holds [B, H, 1024, 128] FP32 tiles and
         # runs ~20 ops a block, far from what a user of backend="auto" expects there.
-        what = "attn_mask" if attn_mask is not None else "softcap"
-        raise NotInKernel(f"the Triton kernels take no {what} yet (docs/limits.md); pass "
-                          f"backend='reference' to run this call in PyTorch, or call SDPA")
+        raise NotInKernel(f"backend={backend!r} gives attn_mask no gradient, and this mask "
+                          f"requires grad (a learned bias); use backend='reference' (FP32 "
+                          f"[B, H, Nq, Nk] in the backward) or attn_mask.detach()")
     if backend == "triton":
         try:
             from flashwatch.kernels import triton_attention
@@ -99,18 +101,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     backend: "auto" (Triton for bf16/fp16 CUDA tensors with D in 16/32/64/128, else the
       reference), "reference" (pure PyTorch, any device and dtype), or "triton"
       (bf16/fp16 only; CPU tensors need TRITON_INTERPRET=1 set before Python starts),
-      or "paper" (kernels/paper.py: the paper's public implementation, bit-identical to
+      or "paper" (flashwatch/kernels/paper.py: the paper's public implementation, bit-identical to
       it run eagerly, forward and backward; everything in the input dtype, 512-key
       blocks; for research such as docs/REPRODUCTION.md, less accurate on purpose).
     attn_mask: as SDPA's, bool (True = attend) or an additive float mask, broadcastable
       to [B, H, Nq, Nk]; with causal both apply. Scores it hides (False, or -inf after
       adding) are never ties nor the max logit; a row with no visible key gives O = 0
       and zero gradients (SDPA's math backend does the same). A float mask that
-      requires grad (a learned bias such as T5's) gets its gradient ("paper": refused).
+      requires grad (a learned bias such as T5's) gets its gradient on the reference
+      backend ("triton" and "paper": refused with NotInKernel, a RuntimeError).
+      Triton reads it tile by tile through its broadcast strides (never materialised).
     softcap: Gemma2's attention-logit softcapping, s = softcap·tanh(s/softcap) on the
       scaled scores before the masks; ties and max logit are of the capped scores.
-    attn_mask and softcap run on the reference backends ("paper": attn_mask only); the
-      Triton kernels take neither yet (a RuntimeError, also for "auto" on CUDA).
+      Every backend but "paper" (ValueError).
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call; beta and eps there are the
@@ -143,14 +146,10 @@ def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
         scale, modes = check_inputs(q, k, v, causal=causal, scale=scale,
                                     head_modes=head_modes, beta=beta, eps=eps, stats=stats,
                                     attn_mask=attn_mask, softcap=softcap)
-    backend = _resolve_backend(backend, q, attn_mask, softcap)
+    backend = _resolve_backend(backend, q, attn_mask)
     if backend == "paper" and softcap is not None:
         raise ValueError(f"softcap={softcap} is not supported by backend='paper' (the "
                          f"paper's code has no softcapping); use backend='reference'")
-    if backend == "paper" and attn_mask is not None and attn_mask.requires_grad and \
-            torch.is_grad_enabled():
-        raise NotInKernel("backend='paper' gives attn_mask no gradient, and this mask "
-                          "requires grad; use backend='reference' or attn_mask.detach()")
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
         q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
         o32_out is not None, attn_mask, None if softcap is None else float(softcap))

@@ -165,12 +165,13 @@ def test_a_learned_bias_passed_as_attn_mask_is_routed_and_gets_its_gradient():
 
 
 def test_a_masked_call_the_triton_kernels_cannot_run_stays_on_sdpa_without_an_error():
-    """On CUDA ("auto" → Triton) masked calls are not routable yet (docs/limits.md): the
-    layer is reported unmitigable with why (counted once, as any unmitigable layer), the
-    output is SDPA's, and no routing failure is logged.
-    backend="triton" shows it on CPU: the mask is refused before Triton is touched."""
+    """On CUDA ("auto" → Triton) a mask that requires grad is not routable (the kernels
+    give it no gradient; docs/limits.md): the layer is reported unmitigable with why
+    (counted once, as any unmitigable layer), the output is SDPA's, and no routing
+    failure is logged. backend="triton" shows it on CPU: the mask is refused before
+    Triton is touched."""
     torch.manual_seed(0)
-    model = Two(Attention("mask"), Attention("sdpa"))
+    model = Two(Attention("bias"), Attention("sdpa"))
     x = torch.randn(2, 8, 32)
     expected = model(x)
     w = fw.watch(model, every_n_steps=1, backend="triton")
@@ -178,7 +179,7 @@ def test_a_masked_call_the_triton_kernels_cannot_run_stays_on_sdpa_without_an_er
     out = model(x)
     report = w.step()
     assert torch.equal(out, expected)
-    assert "Triton kernels take no attn_mask" in report.unmitigable["layers.0"]
+    assert "gives attn_mask no gradient" in report.unmitigable["layers.0"]
     assert report.monitor_errors_total == 1  # the unmitigable layer's, no routing error
     w.remove()
 

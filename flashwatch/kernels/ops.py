@@ -9,14 +9,14 @@
                                        mask_grad=False) -> (dq, dk, dv, dmask)
 
 attn_mask (bool or additive float, broadcastable to [B, H, Nq, Nk]) and softcap run on
-the reference backend (softcap: not "paper"); the Triton kernels take neither yet, so
-`flashwatch.attention` refuses them there before calling (the op would too). A float
-mask that requires grad gets one (reference): attention_bwd(..., mask_grad=True) returns
-it as a 4th output (empty otherwise).
+every backend (softcap: not "paper"); the Triton kernels read the mask through its
+broadcast strides, never materialised. A float mask that requires grad gets one on the
+reference backend: attention_bwd(..., mask_grad=True) returns it as a 4th output (empty
+otherwise); "triton" and "paper" refuse it (`flashwatch.attention` before calling).
 
-`backend` is "triton" (kernels/triton_attention.py: CUDA, or CPU under
-TRITON_INTERPRET=1), "reference" (kernels/reference.py, any device) or "paper"
-(kernels/paper.py: the paper implementation's BF16 arithmetic, for research); the caller
+`backend` is "triton" (flashwatch/kernels/triton_attention.py: CUDA, or CPU under
+TRITON_INTERPRET=1), "reference" (flashwatch/kernels/reference.py, any device) or "paper"
+(flashwatch/kernels/paper.py: the paper implementation's BF16 arithmetic, for research); the caller
 resolves "auto" (CUDA → Triton, CPU → reference) before calling, so one registered
 implementation serves every device. `modes` is an int tensor [H] of Mode values, read
 on the host (it normally lives on the CPU; see `flashwatch.attention`).
@@ -54,14 +54,8 @@ def _host_modes(modes: torch.Tensor, num_heads: int) -> torch.Tensor:
     return normalize_head_modes(modes, num_heads)
 
 
-def _triton_plain(attn_mask, softcap) -> None:
-    if attn_mask is not None or softcap is not None:
-        raise RuntimeError("backend='triton' takes no attn_mask or softcap yet; use "
-                           "backend='reference' (O(Nq·Nk) memory per call) for these calls")
-
-
 def _arithmetic(backend: str) -> str:
-    # backend="reference" and "paper" both run kernels/reference.py, which chooses the
+    # backend="reference" and "paper" both run flashwatch/kernels/reference.py, which chooses the
     # arithmetic for the forward and the backward alike.
     return "paper" if backend == "paper" else "fused"
 
@@ -83,12 +77,12 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
     B, H, Nq, D = q.shape
     modes = _host_modes(modes, H)
     if backend == "triton":
-        _triton_plain(attn_mask, softcap)
         from . import triton_attention
 
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
                                         beta=beta, eps=eps, want_stats=want_stats,
-                                        keep_o32=keep_o32)
+                                        keep_o32=keep_o32, attn_mask=attn_mask,
+                                        softcap=softcap)
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
                             eps=eps, want_ties=want_stats, arithmetic=_arithmetic(backend),
                             keep_o32=keep_o32, attn_mask=attn_mask, softcap=softcap)
@@ -122,13 +116,16 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
     if backend == "triton":
-        _triton_plain(attn_mask, softcap)
+        if mask_grad:
+            raise RuntimeError("backend='triton' gives attn_mask no gradient, and this mask "
+                               "requires grad; use backend='reference' or attn_mask.detach()")
         # o32 may hold every head (keep_o32): the kernel reads the FP32_O heads' rows in
         # place, no gather (a boolean index is a host sync on CUDA).
         from . import triton_attention
 
         return (*triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
-                                           scale=scale), q.new_empty(0))
+                                           scale=scale, attn_mask=attn_mask,
+                                           softcap=softcap), q.new_empty(0))
     if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
         o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None

@@ -8,7 +8,7 @@ K/V block resident, loop over Q blocks, dK and dV in registers, dQ by atomic add
 the shared prologue) are in triton_helpers.py, autotune spaces and keys in
 triton_tuning.py, the autograd / torch.library wiring in ops.py.
 
-Semantics are those of `kernels/reference.py` (fused arithmetic); tests compare the two.
+Semantics are those of `flashwatch/kernels/reference.py` (fused arithmetic); tests compare the two.
 The backward does FlashAttention-2's five matmuls per (query block, key block) pair:
 S = QKᵀ, dV += PᵀdO, dP = dOVᵀ, dK += dSᵀQ, dQ += dSK. dQ is summed in FP32 by
 atomic adds, in an order that varies between runs on a GPU (last-bit differences in dQ
@@ -126,13 +126,31 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
+def _cap(softcap) -> float:
+    return 1.0 if softcap is None else float(softcap)  # unread unless SOFTCAP
+
+
+def _mask_args(attn_mask, q, k, dummy: torch.Tensor):
+    """(pointer tensor, its 4 strides, MASK_KIND) for the kernels. The mask is a broadcast
+    view [B, H, Nq, Nk] (stride 0 on broadcast dims), never materialised; a bool mask is
+    read as uint8 (0 hides). No mask: `dummy`, never read (MASK_KIND 0)."""
+    if attn_mask is None:
+        return dummy, (0, 0, 0, 0), 0
+    m = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), 1
+    return m, m.stride(), 2
+
+
 def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: float,
-            want_stats: bool, keep_o32: bool = False):
+            want_stats: bool, keep_o32: bool = False, attn_mask=None, softcap=None):
     """Returns (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H]).
 
     o is in q's layout (`common.empty_out`), lse [B, H, Nq] fp32 in nats. o32 is
     [H32, B, Nq, D] fp32 for the FP32_O heads in head order (H32 may be 0), or for every
     head with keep_o32. Counters are zeros / -inf when want_stats is False.
+    attn_mask (bool or float, broadcastable to [B, H, Nq, Nk]) and softcap as the
+    reference takes them: validated by the caller (`common.check_inputs`).
     """
     check_usable(q)
     o = empty_out(q)
@@ -154,12 +172,15 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
     else:
         st_cnt = torch.empty(2, dtype=torch.int32, device=dev)
         st_max = torch.empty(1, dtype=torch.float32, device=dev)
+    mask, mask_strides, mask_kind = _mask_args(attn_mask, q, k, lse)
     _fwd_tuned[lambda meta: (triton.cdiv(Nq, meta["BLOCK_M"]), B * H)](
-        q, k, v, o, o32_arg, lse, heads, st_cnt, st_max,
-        scale, scale * math.log2(math.e), beta - 1.0, eps, GUARD_NATS[q.dtype], MIN_EXCESS,
-        *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, o32_arg, lse, heads, st_cnt, st_max, mask,
+        scale, scale * math.log2(math.e), _cap(softcap), beta - 1.0, eps,
+        GUARD_NATS[q.dtype], MIN_EXCESS,
+        *_strides(q), *_strides(k), *_strides(v), *_strides(o), *mask_strides,
         B, H, Nq, Nk, n_mblk, tuning.bucket(Nq), tuning.bucket(Nk),
-        D=D, CAUSAL=causal, STATS=want_stats, INTERPRET=INTERPRET)
+        D=D, CAUSAL=causal, STATS=want_stats, MASK_KIND=mask_kind,
+        SOFTCAP=softcap is not None, INTERPRET=INTERPRET)
     if want_stats:
         cnt = st_cnt.view(B, H, n_mblk, 2)
         tied = cnt[..., 0].sum((0, 2), dtype=torch.int64)
@@ -172,12 +193,14 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
     return o, lse, o32, tied, guarded, max_logit
 
 
-def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float):
+def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float,
+             attn_mask=None, softcap=None):
     """Returns (dq, dk, dv) in the input dtype and the layouts of q, k, v.
 
     o32 holds the FP32_O heads' FP32 O ([H32, B, Nq, D], as `forward` returns it) or every
     head's (keep_o32); δ reads the FP32_O heads' rows from it in place. do and o may have
-    any strides with a contiguous last dim.
+    any strides with a contiguous last dim. attn_mask, softcap: the forward's (the mask
+    gets no gradient here; the caller refuses a mask that requires one).
     """
     check_usable(q)
     dq, dk, dv = empty_out(q), empty_out(k), empty_out(v)
@@ -196,11 +219,13 @@ def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float):
     rows = (triton.cdiv(Nq, _PREP_BLOCK_M), B * H)
     _bwd_prep[rows](o, o32 if n32 else delta, do, delta, dq32, heads, *_strides(o),
                     *_strides(do), B, H, Nq, D=D, BLOCK_M=_PREP_BLOCK_M, INTERPRET=INTERPRET)
+    mask, mask_strides, mask_kind = _mask_args(attn_mask, q, k, lse)
     _bwd_tuned[lambda meta: (triton.cdiv(Nk, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, dq32, dk, dv, scale, scale * math.log2(math.e),
-        *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk),
-        *_strides(dv), H, Nq, Nk, tuning.bucket(Nq), tuning.bucket(Nk),
-        D=D, CAUSAL=causal, INTERPRET=INTERPRET)
+        q, k, v, do, lse, delta, dq32, dk, dv, mask, scale, scale * math.log2(math.e),
+        _cap(softcap), *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dk), *_strides(dv), *mask_strides, H, Nq, Nk, tuning.bucket(Nq),
+        tuning.bucket(Nk), D=D, CAUSAL=causal, MASK_KIND=mask_kind,
+        SOFTCAP=softcap is not None, INTERPRET=INTERPRET)
     _bwd_dq_out[rows](dq32, dq, scale, *_strides(dq), H, Nq, D=D, BLOCK_M=_PREP_BLOCK_M,
                       INTERPRET=INTERPRET)
     return dq, dk, dv

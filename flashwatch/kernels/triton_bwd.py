@@ -1,16 +1,29 @@
-"""Backward kernels of the Triton attention (launched by kernels/triton_attention.py).
+"""Backward kernels of the Triton attention (launched by flashwatch/kernels/triton_attention.py).
 
   `_bwd_prep`    δ = rowsum(dO∘O) (O32 for FP32_O heads), dQ's FP32 buffer zeroed
   `_bwd_kernel`  one program per (key block, batch·head): K/V resident, loop over query
                  blocks doing FlashAttention-2's five matmuls; dK, dV in registers, dQ
                  added into the FP32 buffer with atomics
   `_bwd_dq_out`  dQ = scale·dQ32 rounded to the input dtype, in q's layout
+
+attn_mask and softcap as in the forward (constexprs MASK_KIND and SOFTCAP, `_scores`):
+the tile is recomputed as the forward saw it, and dS goes through the cap's
+1 - tanh² before its matmuls; still five matmuls per block pair.
 """
 
 import triton
 import triton.language as tl
 
-from .triton_helpers import LOG2E, _bh_offset, _dot, _lo, _tile, _to_store, _up
+from .triton_helpers import (
+    _bh_offset,
+    _dot,
+    _lo,
+    _p_from_lse,
+    _scores,
+    _tile,
+    _to_store,
+    _up,
+)
 
 
 @triton.jit
@@ -40,10 +53,11 @@ def _bwd_prep(O, O32, DO, DELTA, DQ32, HEADS,
 
 
 @triton.jit
-def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
-               stride_qm, stride_dom, offs_n, lo, hi, N_Q, N_K, qk_scale,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, mask_base,
+               stride_qm, stride_dom, stride_mm, stride_mn, offs_n, lo, hi, N_Q, N_K,
+               sm_scale, qk_scale, cap, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+               SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Query blocks [lo, hi) against this key block: FlashAttention-2's five matmuls."""
     DT: tl.constexpr = q_base.dtype.element_ty
     for start_m in range(lo, hi, BLOCK_M):
@@ -61,19 +75,19 @@ def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
             do = tl.load(_tile(do_base, start_m, stride_dom, BLOCK_M, D))
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
-        # Transposed tile (keys × queries) so dK, dV accumulate without transposes.
-        qkT = _dot(k, tl.trans(q), INTERPRET)  # 1: S
-        if MASKED:
-            # Padding keys too: their S = 0 would give exp(-lse), which overflows when
-            # lse < -88 (logits around -1000) and leaves Inf/NaN in unstored rows.
-            vis = qmask[None, :] & (offs_n < N_K)[:, None]
-            if CAUSAL:
-                vis = vis & (offs_m[None, :] >= offs_n[:, None])
-            qkT = tl.where(vis, qkT, float("-inf"))
-        pT = tl.exp2(qkT * qk_scale - (lse * LOG2E)[None, :])
+        # Transposed tile (keys × queries) so dK, dV accumulate without transposes. The
+        # padding keys are hidden too: their S = 0 would give exp(-lse), which overflows
+        # when lse < -88 (logits around -1000) and leaves Inf/NaN in unstored rows.
+        xT, tT = _scores(_dot(k, tl.trans(q), INTERPRET), offs_m[None, :],  # 1: S
+                         offs_n[:, None], mask_base, stride_mm, stride_mn, N_Q, N_K,
+                         sm_scale, cap, MASKED, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+        pT = _p_from_lse(xT, lse, qk_scale, SOFTCAP or MASK_KIND == 2)
         dv += _dot(_lo(pT, DT, INTERPRET), do, INTERPRET)  # 2: dV += PᵀdO
         dpT = _dot(v, tl.trans(do), INTERPRET)  # 3: dP = dO Vᵀ
-        dsT = _lo(pT * (dpT - delta[None, :]), DT, INTERPRET)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:  # through s = cap·tanh(scale·qk/cap): dS·(1 - tanh²), scale later
+            dsT = dsT * (1.0 - tT * tT)
+        dsT = _lo(dsT, DT, INTERPRET)
         dk += _dot(dsT, q, INTERPRET)  # 4: dK += dSᵀQ
         dq = _dot(tl.trans(dsT), k, INTERPRET)  # 5: dQ += dS K
         dq_ptrs = _tile(dq_base, start_m, D, BLOCK_M, D)
@@ -85,13 +99,15 @@ def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base,
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, sm_scale, qk_scale,
+def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, MASK, sm_scale, qk_scale, cap,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                stride_mb, stride_mh, stride_mm, stride_mn,
                 H, N_Q, N_K, N_Q_BKT, N_K_BKT,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, INTERPRET: tl.constexpr):
+                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
+                INTERPRET: tl.constexpr):
     DT: tl.constexpr = DK.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -106,6 +122,7 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, sm_scale, qk_scale,
     dv = tl.zeros([BLOCK_N, D], tl.float32)
     q_base = Q + _bh_offset(pid_bh, H, stride_qb, stride_qh)
     do_base = DO + _bh_offset(pid_bh, H, stride_dob, stride_doh)
+    mask_base = MASK + _bh_offset(pid_bh, H, stride_mb, stride_mh)
     rows = pid_bh.to(tl.int64) * N_Q  # LSE, δ and dQ32 are [B·H, N_Q(, D)] contiguous
 
     # Query blocks: [lo, a_end) straddle the causal diagonal (masked), [a_end, b_end) see
@@ -123,14 +140,17 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, sm_scale, qk_scale,
         a_end = tl.minimum(full_start, N_Q)
     b_end = tl.maximum(a_end, (N_Q // BLOCK_M) * BLOCK_M)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
-                        DQ32 + rows * D, stride_qm, stride_dom, offs_n, lo, a_end, N_Q, N_K,
-                        qk_scale, D, BLOCK_M, True, CAUSAL, INTERPRET)
+                        DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
+                        stride_mn, offs_n, lo, a_end, N_Q, N_K, sm_scale, qk_scale, cap, D,
+                        BLOCK_M, True, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
-                        DQ32 + rows * D, stride_qm, stride_dom, offs_n, a_end, b_end, N_Q,
-                        N_K, qk_scale, D, BLOCK_M, False, CAUSAL, INTERPRET)
+                        DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
+                        stride_mn, offs_n, a_end, b_end, N_Q, N_K, sm_scale, qk_scale, cap, D,
+                        BLOCK_M, False, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
-                        DQ32 + rows * D, stride_qm, stride_dom, offs_n, b_end, N_Q, N_Q, N_K,
-                        qk_scale, D, BLOCK_M, True, CAUSAL, INTERPRET)
+                        DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
+                        stride_mn, offs_n, b_end, N_Q, N_Q, N_K, sm_scale, qk_scale, cap, D,
+                        BLOCK_M, True, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
     tl.store(_tile(DK + _bh_offset(pid_bh, H, stride_dkb, stride_dkh), n0, stride_dkn,
                    BLOCK_N, D), _to_store(dk * sm_scale, DT, INTERPRET), mask=kmask[:, None])
     tl.store(_tile(DV + _bh_offset(pid_bh, H, stride_dvb, stride_dvh), n0, stride_dvn,

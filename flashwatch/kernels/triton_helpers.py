@@ -1,8 +1,10 @@
-"""@triton.jit helpers shared by the attention kernels (kernels/triton_attention.py).
+"""@triton.jit helpers shared by the attention kernels (flashwatch/kernels/triton_attention.py).
 
   dtype rounding that is right in the interpreter   `_rne_bf16_bits`, `_rne_bf16`, `_up`,
                                                      `_lo`, `_to_store`, `_dot`
   row max, BETA shift and the online tie count       `_rowmax`, `_beta_excess`, `_update_ties`
+  scores as the softmax sees them (softcap, masks)  `_scores`, `_tanh`, `_mask_load`,
+                                                     `_in_nats`, `_exp_shifted`, `_p_from_lse`
   the prologue every kernel shares                  `_bh_offset`, `_tile`, `_row_offset`
 
 Interpreter (TRITON_INTERPRET=1, how CPU CI runs these kernels): triton 3.9's
@@ -158,3 +160,100 @@ def _tile(base, start, stride, BLOCK: tl.constexpr, D: tl.constexpr):
 def _row_offset(start, stride):
     """start·stride in int64 (row 2^20 of a [B, N, H, D] view with H·D = 4096 is 2^32)."""
     return tl.cast(start, tl.int64) * stride
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in FP32 (tl.math has none in triton 3.9): odd, so computed on |x| as
+    (1 - e)/(1 + e) with e = exp(-2|x|) ≤ 1, which never overflows (tanh(±inf) = ±1, NaN
+    stays NaN). Below |x| = 1/8, where 1 - e cancels, the Taylor series to x⁷ (the next
+    term is < 2e-10 of x there); both branches are within a few ulps of torch.tanh."""
+    a = tl.abs(x)
+    e = tl.exp2(a * -2.8853900817779268)  # exp(-2|x|) = 2^(-2·log2(e)·|x|)
+    a2 = a * a
+    series = a * (1.0 + a2 * (-0.3333333333333333 + a2 * (0.13333333333333333
+                                                          + a2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K, INTERPRET: tl.constexpr):
+    """attn_mask at rows r × keys c, as FP32 (bool: 0/1). r and c are index tiles that
+    broadcast ([M, 1] × [1, N] forward, [1, M] × [N, 1] backward); a broadcast mask has
+    stride 0 there, so a key-padding mask [B, 1, 1, Nk] reads one [Nk] row per (b, h)."""
+    ptrs = mask_base + r.to(tl.int64) * stride_mm + c.to(tl.int64) * stride_mn
+    return _up(tl.load(ptrs, mask=(r < N_Q) & (c < N_K), other=0), INTERPRET)
+
+
+@triton.jit
+def _scores(qk, r, c, mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap,
+            BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+            SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+    """One tile's scores as the softmax sees them (`reference._block_scores`): s =
+    scale·qk, s = cap·tanh(s/cap) (SOFTCAP), then hidden keys set to -inf: out of bounds
+    and causal (BOUNDS: the tiles that straddle them), attn_mask False (MASK_KIND 1), or a float
+    mask added (MASK_KIND 2). Returns (x, t), t = tanh(s/cap) for the backward (else qk).
+
+    Without SOFTCAP or a float mask x stays the raw dot (s = scale·x, folded into exp2 by
+    the caller); with them x = s in nats (`_exp_shifted`, `_p_from_lse`)."""
+    x = qk
+    t = qk
+    if SOFTCAP or MASK_KIND == 2:
+        x = qk * sm_scale
+    if SOFTCAP:
+        t = _tanh(x / cap)
+        x = t * cap
+    if MASK_KIND == 2:
+        x = x + _mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K, INTERPRET)
+    if BOUNDS:
+        vis = (r < N_Q) & (c < N_K)
+        if CAUSAL:
+            vis = vis & (c <= r)  # top-left aligned, like SDPA's is_causal
+        if MASK_KIND == 1:
+            vis = vis & (_mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K,
+                                    INTERPRET) != 0)
+        x = tl.where(vis, x, float("-inf"))
+    else:
+        if MASK_KIND == 1:
+            vis = _mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K, INTERPRET) != 0
+            x = tl.where(vis, x, float("-inf"))
+    return x, t
+
+
+@triton.jit
+def _in_nats(x, sm_scale, NATS: tl.constexpr):
+    """Scores x of `_scores` in nats: x itself (NATS) or scale·x."""
+    if NATS:
+        return x
+    else:
+        return x * sm_scale
+
+
+@triton.jit
+def _exp_shifted(x, sh_old, sh_new, qk_scale, NATS: tl.constexpr):
+    """(alpha, P): exp(shift_old - shift_new) and exp(s - shift_new) of one tile. A row that
+    has seen only hidden keys keeps shift -inf: use 0 there so exp gives 0, not NaN.
+    NATS (x = s in nats, `_scores`): subtract before scaling. Hugging Face's padding rows
+    have every score near finfo.min, where s·log2(e) overflows to -inf and the folded
+    form would give -inf - -inf = NaN; the difference is exact there (0: P = 1, as the
+    reference)."""
+    sh = tl.where(sh_new == float("-inf"), 0.0, sh_new)
+    if NATS:
+        alpha = tl.exp2((sh_old - sh) * LOG2E)
+        p = tl.exp2((x - sh[:, None]) * LOG2E)
+    else:
+        sh2 = sh * LOG2E
+        alpha = tl.exp2(sh_old * LOG2E - sh2)
+        p = tl.exp2(x * qk_scale - sh2[:, None])
+    return alpha, p
+
+
+@triton.jit
+def _p_from_lse(xT, lse, qk_scale, NATS: tl.constexpr):
+    """The backward's Pᵀ = exp(S - LSE) of a transposed tile (keys × queries); LSE = +inf
+    (a row with no visible key) gives 0. NATS: as `_exp_shifted`."""
+    if NATS:
+        return tl.exp2((xT - lse[None, :]) * LOG2E)
+    else:
+        return tl.exp2(xT * qk_scale - (lse * LOG2E)[None, :])
