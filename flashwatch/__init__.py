@@ -9,9 +9,10 @@ sinks in `flashwatch.sinks`; `diagnose` measures a saved model's heads offline
 from flashwatch.config import WatchConfig
 from flashwatch.diagnose import diagnose
 from flashwatch.dispatch import attention
+from flashwatch.explicit_sites import make_site
 from flashwatch.kernels.common import AttentionStats, Mode
 from flashwatch.report import Event, HeadRecord, StepReport
-from flashwatch.sites import AttentionSite, find_sites, make_site
+from flashwatch.sites import AttentionSite, find_sites
 from flashwatch.watcher import Watcher, watch
 
 __version__ = "0.1.0"
