@@ -111,12 +111,7 @@ def make_site(
     discovery against q_module (`check_orientation`) and, on the first monitored call,
     against the q that reaches SDPA (flashwatch.layouts.QCheck).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"site name must be a str module path, got {type(name).__name__}")
-    module = _get_submodule(model, name)
-    if module is None:
-        raise ValueError(f"site {name!r}: the model has no module named {name!r}; use a "
-                         "name from model.named_modules()")
+    module = _site_module(model, name)
     where = f"site {name!r}"
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"{where}: num_heads must be a positive int, got {num_heads!r}")
@@ -125,29 +120,62 @@ def make_site(
                         f"{type(wq).__name__}")
     q_mod = _resolve_q_module(model, name, module, q_module)
     q_weight = _weight_of(q_mod) if q_mod is not None else None  # [out, in] view or None
-
-    if isinstance(wq, torch.Tensor):
-        d_model = wq.shape[-1]
-    elif q_weight is not None:
-        d_model = q_weight.shape[1]
-    elif wq is not None:
-        d_model = wq().shape[-1]
-    else:
-        raise ValueError(
-            f"{where}: cannot tell W^Q: q_module is "
-            f"{type(q_mod).__name__ if q_mod is not None else 'None'}; pass wq= (a tensor "
-            "[H, head_dim, d_model] or a callable returning one) or q_module= an nn.Linear"
-        )
+    d_model = _d_model(where, wq, q_mod, q_weight)
     if head_dim is None:
-        if d_model % num_heads != 0:
-            raise ValueError(f"{where}: d_model={d_model} is not a multiple of "
-                             f"num_heads={num_heads}; pass head_dim= explicitly")
-        head_dim = d_model // num_heads
+        head_dim = _default_head_dim(where, d_model, num_heads)
     kv = num_heads if num_kv_heads is None else num_kv_heads
     if q_slice_of_output is None and q_channels is None and q_layout is None:
         q_layout = layouts.known_layout(module, q_mod, num_heads, kv, head_dim)
-    index = _explicit_index(where, num_heads, kv, head_dim, q_mod, q_slice_of_output,
-                            q_layout, q_channels)
+    index = _explicit_index(where, num_heads, kv, head_dim, q_slice=q_slice_of_output,
+                            q_layout=q_layout, q_channels=q_channels)
+    return AttentionSite(
+        name=name, module=module, num_heads=num_heads, num_kv_heads=kv,
+        head_dim=head_dim, d_model=d_model, q_module=q_mod, kind="explicit",
+        q_slice_of_output=None, wq_source=_wq_source(where, wq, q_mod, q_weight, index),
+        q_index=None if q_mod is None else index, layout=q_layout or "q",
+    )
+
+
+def _site_module(model: nn.Module, name: str) -> nn.Module:
+    """The attention module at path `name` in `model`."""
+    if not isinstance(name, str):
+        raise TypeError(f"site name must be a str module path, got {type(name).__name__}")
+    module = _get_submodule(model, name)
+    if module is None:
+        raise ValueError(f"site {name!r}: the model has no module named {name!r}; use a "
+                         "name from model.named_modules()")
+    return module
+
+
+def _d_model(where: str, wq: Callable[[], torch.Tensor] | torch.Tensor | None,
+             q_mod: nn.Module | None, q_weight: torch.Tensor | None) -> int:
+    """The width of X (W^Q's last dim): from wq when given, else q_module's weight."""
+    if isinstance(wq, torch.Tensor):
+        return wq.shape[-1]
+    if q_weight is not None:
+        return q_weight.shape[1]
+    if wq is not None:
+        return wq().shape[-1]
+    raise ValueError(
+        f"{where}: cannot tell W^Q: q_module is "
+        f"{type(q_mod).__name__ if q_mod is not None else 'None'}; pass wq= (a tensor "
+        "[H, head_dim, d_model] or a callable returning one) or q_module= an nn.Linear"
+    )
+
+
+def _default_head_dim(where: str, d_model: int, num_heads: int) -> int:
+    """d_model // num_heads, when the heads split d_model evenly."""
+    if d_model % num_heads != 0:
+        raise ValueError(f"{where}: d_model={d_model} is not a multiple of "
+                         f"num_heads={num_heads}; pass head_dim= explicitly")
+    return d_model // num_heads
+
+
+def _wq_source(where: str, wq: Callable[[], torch.Tensor] | torch.Tensor | None,
+               q_mod: nn.Module | None, q_weight: torch.Tensor | None,
+               index: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """The getter the site reads W^Q through: wq as given (a tensor is wrapped), or by
+    default q_module's weight rows `index` (`_rows_at`)."""
     if wq is None:
         if q_weight is None:
             raise ValueError(f"{where}: q_module is {type(q_mod).__name__}, not an nn.Linear "
@@ -155,21 +183,15 @@ def make_site(
         if int(index.max()) >= q_weight.shape[0]:
             raise ValueError(f"{where}: the Q channels go up to {int(index.max())}, past the "
                              f"{q_weight.shape[0]} outputs of q_module")
-        source = _rows_at(q_mod, index)
-    elif isinstance(wq, torch.Tensor):
-        tensor = wq
-        source = lambda: tensor  # noqa: E731
-    else:
-        source = wq
-    return AttentionSite(
-        name=name, module=module, num_heads=num_heads, num_kv_heads=kv,
-        head_dim=head_dim, d_model=d_model, q_module=q_mod, kind="explicit",
-        q_slice_of_output=None, wq_source=source,
-        q_index=None if q_mod is None else index, layout=q_layout or "q",
-    )
+        return _rows_at(q_mod, index)
+    if isinstance(wq, torch.Tensor):
+        return lambda: wq
+    return wq
 
 
-def _explicit_index(where, H, Hkv, D, q_mod, q_slice, q_layout, q_channels):
+def _explicit_index(where: str, H: int, Hkv: int, D: int, *, q_slice: tuple[int, int] | None,
+                    q_layout: str | None,
+                    q_channels: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
     """The Q channels an explicit site asks for (make_site's three ways to say it)."""
     given = [n for n, v in (("q_slice_of_output", q_slice), ("q_layout", q_layout),
                             ("q_channels", q_channels)) if v is not None]
