@@ -93,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"flashwatch {flashwatch.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_report(sub)
+    _add_diagnose(sub)
+    info = sub.add_parser("info", help="print versions and the available backends")
+    info.set_defaults(func=_info)
+    return parser
 
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser(
         "demo", help="train a small GPT on CPU in BF16 with flashwatch switched on",
         description="Train a small GPT (flashwatch/nanogpt.py) on CPU in BF16 autocast with the "
@@ -110,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="monitor one optimizer step in this many (2)")
     demo.set_defaults(func=_demo)
 
+
+def _add_report(sub) -> None:
     report = sub.add_parser(
         "report", help="plots and a Markdown summary of a run directory",
         description="Write ties_heatmap.png, drift.png, spectral.png, loss.png and "
@@ -118,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, default=None, help="where to write (RUN_DIR)")
     report.set_defaults(func=_report)
 
+
+def _add_diagnose(sub) -> None:
     diag = sub.add_parser(
         "diagnose", help="name the attention heads that look like the BF16 failure, exactly",
         description="Measure every attention head of saved checkpoints exactly (FP64, every "
@@ -142,10 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--out", type=Path, default=None,
                       help="output directory (default runs/diagnose-<time>)")
     diag.set_defaults(func=_diagnose)
-
-    info = sub.add_parser("info", help="print versions and the available backends")
-    info.set_defaults(func=_info)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
