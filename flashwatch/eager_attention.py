@@ -10,9 +10,10 @@ and "flex_attention" call their own kernels. Some classes never call it whatever
 setting (Bloom: baddbmm with ALiBi, then softmax).
 
 Measuring such a layer would need the probe to recompute exactly what that function
-computes (Gemma2's eager path applies logit softcapping, tanh(s / c)·c, which SDPA
-cannot), so these layers are refused by name at attach, with the fix: load the model
-with attn_implementation="sdpa" where transformers supports it for that model.
+computes, so these layers are refused by name at attach, with the fix: load the model
+with attn_implementation="sdpa" where transformers supports it for that model, or
+"fw_attention" (flashwatch/integrations/hf_attention.py: flashwatch.attention, which
+also computes Gemma2's logit softcapping, tanh(s / c)·c, that SDPA cannot).
 Hand-written attention that no attribute reveals is caught at the first monitored step
 instead (the watcher's "made no attention call flashwatch saw" warning).
 """
@@ -20,6 +21,13 @@ instead (the watcher's "made no attention call flashwatch saw" warning).
 from __future__ import annotations
 
 from torch import nn
+
+# Implementations whose calls flashwatch sees: SDPA, and flashwatch.attention registered
+# by flashwatch/integrations/hf_attention.py (its NAME; not imported: no transformers here).
+WATCHABLE = ("sdpa", "fw_attention")
+FW_FIX = ('call flashwatch.integrations.hf_attention.register() and load the model with '
+          'attn_implementation="fw_attention" (or model.set_attn_implementation('
+          '"fw_attention")) to watch it')
 
 # Attention classes whose forward computes attention itself, whatever the config says.
 NEVER_SDPA = {"BloomAttention": "it computes baddbmm(ALiBi, Q, Kᵀ) and a softmax itself"}
@@ -34,14 +42,14 @@ def no_sdpa_reason(module: nn.Module) -> str | None:
             return f"{base.__name__}: {NEVER_SDPA[base.__name__]}, never SDPA"
     config = getattr(module, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if not isinstance(impl, str) or impl == "sdpa":
+    if not isinstance(impl, str) or impl in WATCHABLE:
         return None
     softcap = getattr(module, "attn_logit_softcapping", None) or getattr(
         config, "attn_logit_softcapping", None)
     why = f'{cls} runs attn_implementation="{impl}", which calls no SDPA'
     if softcap:
         return (f"{why}, and its logits are softcapped (tanh(s / {softcap})·{softcap}), "
-                "which SDPA cannot compute: this layer cannot be measured")
+                f"which SDPA cannot compute; {FW_FIX}")
     return f'{why}; load the model with attn_implementation="sdpa" to watch it'
 
 
@@ -58,6 +66,7 @@ def refuse_no_sdpa(sites) -> None:
         "F.scaled_dot_product_attention calls, and these make none:\n" + "\n".join(lines)
         + '\nLoad the model with attn_implementation="sdpa" (e.g. '
         'AutoModelForCausalLM.from_pretrained(..., attn_implementation="sdpa"), or '
-        'model.set_attn_implementation("sdpa") on a loaded model), or pass sites= '
-        "without these layers."
+        'model.set_attn_implementation("sdpa") on a loaded model), or with '
+        '"fw_attention" (flashwatch.integrations.hf_attention.register() first; it also '
+        'computes softcapping), or pass sites= without these layers.'
     )

@@ -325,6 +325,10 @@ def hf_tiny(arch: str, seed: int = 0):
 
     spec = HF_ARCHS[arch]
     cfg_cls, model_cls, kind, extra = spec
+    if extra.get("attn_implementation") == "fw_attention":
+        from flashwatch.integrations.hf_attention import register
+
+        register()
     cfg = getattr(T, cfg_cls)(**{**_common(arch), **extra})
     torch.manual_seed(seed)
     return getattr(T, model_cls)(cfg).eval(), kind
@@ -361,6 +365,10 @@ HF_ARCHS = {
                         num_experts=0, mlp_only_layers=[0, 1])),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "causal",
                dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
+    # Gemma2 through flashwatch.attention(softcap=): flashwatch/integrations/hf_attention.py
+    "gemma2_fw": ("Gemma2Config", "Gemma2ForCausalLM", "causal",
+                  dict(num_key_value_heads=2, head_dim=8, sliding_window=8,
+                       attn_implementation="fw_attention")),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", "causal",
                dict(num_key_value_heads=2, head_dim=8, sliding_window=8)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", "causal",

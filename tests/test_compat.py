@@ -20,6 +20,7 @@ import functools
 import math
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,14 +28,16 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import flashwatch as fw
-from flashwatch import Mode
+from flashwatch import Mode, dispatch
+from flashwatch.integrations import hf_attention
 from flashwatch.layouts import QCheck
 from flashwatch.qkclip import qk_norm
 from standins import HF_ARCHS, hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_next", "gemma2", "gemma3", "phi3",
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_next", "gemma2", "gemma2_fw",
+         "gemma3", "phi3",
          "gpt_neox", "falcon", "falcon_new", "bloom", "gpt2", "opt", "bert", "vit", "t5",
          "bart"]
 
@@ -80,6 +83,7 @@ NOTES = {
     "qwen2": "q/k/v biases", "qwen3": "q_norm/k_norm per head_dim", "olmo2":
     "q_norm/k_norm over all heads", "qwen3_next": "full-attention layers only; gated "
     "q_proj; q_norm/k_norm", "gemma2": "attn softcapping; transformers has no SDPA path",
+    "gemma2_fw": 'attn_implementation="fw_attention": flashwatch.attention(softcap=50)',
     "gemma3": "sliding window; q_norm/k_norm", "phi3": "qkv_proj [Q | K | V], GQA",
     "gpt_neox": "query_key_value per head [q|k|v], partial rotary",
     "falcon": "query_key_value per head [q|k|v]; float mask",
@@ -116,17 +120,36 @@ class Scores(TorchFunctionMode):
             self.x.setdefault(name, args[0].detach())
         return hook
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def __enter__(self):  # flashwatch.attention calls of attn_implementation="fw_attention"
+        hf_attention.dispatch = SimpleNamespace(attention=self._fw_attention)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        hf_attention.dispatch = dispatch
+        return super().__exit__(*exc)
+
+    def _fw_attention(self, q, k, v, *, causal=False, scale=None, attn_mask=None,
+                      softcap=None):
+        self._seen(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
+                   softcap=softcap)
+        return dispatch.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask,
+                                  softcap=softcap)
+
+    def _seen(self, *args, **kwargs):
         name = self.current[0]
-        if func is F.scaled_dot_product_attention and name is not None:
+        if name is not None:
             self._record(*args, **kwargs)
             if name not in self.q:  # the layout check of the layer's first call
                 self.q[name] = self.checks[name](self.x.get(name), args[0])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            self._seen(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False):
+                enable_gqa=False, softcap=None):
         if torch.is_autocast_enabled("cpu"):
             dt = torch.get_autocast_dtype("cpu")
             q, k = q.to(dt), k.to(dt)
@@ -134,6 +157,8 @@ class Scores(TorchFunctionMode):
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         s = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        if softcap is not None:  # Gemma2: before the masks
+            s = softcap * torch.tanh(s / softcap)
         if is_causal:
             s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
         if attn_mask is not None:
@@ -230,6 +255,8 @@ def _modes(model, w, inputs, recipe, layer) -> str:
     """FP32_O on every head of `layer`: the output within the 2× rule of SDPA's against
     an FP64 copy, or the layer listed unmitigable."""
     ref = copy.deepcopy(model).double()
+    if ref.config._attn_implementation == "fw_attention":  # FP64: transformers' own path
+        ref.set_attn_implementation("eager")
     with torch.no_grad():
         base = _out(_forward(model, inputs, recipe))
         exact = _out(ref(**inputs))
@@ -291,7 +318,9 @@ def table() -> str:
         "*QK-clip*: τ = half the smallest max logit, two monitored steps on one input;",
         "`yes (n confirmed)` counts clips the next measurement confirmed; `refused`",
         "layers are left untouched (their q/k norm undoes any scaling of W^Q, W^K).",
-        "Refused architectures make no SDPA call (flashwatch/eager_attention.py).",
+        "Refused architectures make no SDPA call (flashwatch/eager_attention.py);",
+        'Gemma2 is watched with attn_implementation="fw_attention"',
+        "(flashwatch/integrations/hf_attention.py).",
         "Not in the installed transformers, so not tested: "
         f"{', '.join(MISSING) or 'none'}.",
         "",

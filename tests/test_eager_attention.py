@@ -35,10 +35,11 @@ def test_an_eager_llama_is_refused_with_the_fix():
                                           for h in report.heads)  # measured, not NaN
 
 
-def test_gemma2_softcapping_is_refused_as_unmeasurable():
+def test_gemma2_softcapping_is_refused_with_the_fw_attention_fix():
     model, _ = hf_tiny("gemma2")
     assert model.config._attn_implementation == "eager"  # transformers: no SDPA for Gemma2
-    with pytest.raises(ValueError, match=r"Gemma2Attention.*softcapped.*cannot be measured"):
+    with pytest.raises(ValueError, match=r"Gemma2Attention.*softcapped.*register\(\).*"
+                                         r'attn_implementation="fw_attention"'):
         find_sites(model)
 
 
