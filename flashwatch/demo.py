@@ -80,39 +80,10 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     if exporter is not None:
         print(f"Prometheus metrics: http://127.0.0.1:{exporter.port}/metrics", file=stream)
     t_start = time.perf_counter()
-    stop = _StopOnSigint()
     try:
-        with stop, open(out / "train.jsonl", "a", encoding="utf-8") as log:
-            for step in range(steps):
-                if stop.requested:
-                    raise KeyboardInterrupt
-                t0 = time.perf_counter()
-                ix = torch.randint(len(data) - block - 1, (batch,), generator=gen)
-                x = torch.stack([data[i:i + block] for i in ix])
-                y = torch.stack([data[i + 1:i + block + 1] for i in ix])
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    _, loss = model(x, y)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                watcher.step()
-                dt = time.perf_counter() - t0
-                loss_v = loss.item()
-                log.write(json.dumps({"step": step, "loss": loss_v, "seconds": dt}) + "\n")
-                log.flush()
-                summary["steps_done"] = step + 1
-                if step % print_every == 0 or step == steps - 1:
-                    rate = (step + 1) / (time.perf_counter() - t_start)
-                    modes = sum(m != fw.Mode.STANDARD for ms in watcher.head_modes().values()
-                                for m in ms)
-                    done = int(20 * (step + 1) / steps)
-                    print(f"[{'#' * done}{'.' * (20 - done)}] "
-                          f"step {step + 1:>5}/{steps}  loss {loss_v:.3f}  "
-                          f"{rate:.2f} steps/s  heads not STANDARD: {modes}", file=stream)
-                if not math.isfinite(loss_v):
-                    summary["ended"] = "loss not finite"
-                    break
+        _train(model, opt, watcher, lambda: _batch(data, block, batch, gen), steps=steps,
+               log_path=out / "train.jsonl", summary=summary, print_every=print_every,
+               stream=stream)
         if summary["ended"] == "running":
             summary["ended"] = "completed"
     except KeyboardInterrupt:
@@ -122,6 +93,56 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
         _finish(watcher, out, summary, time.perf_counter() - t_start)
     _print_next_steps(out, exporter, stream)
     return summary
+
+
+def _batch(data: torch.Tensor, block: int, batch: int,
+           gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` random windows of `block` bytes and the same windows one byte on."""
+    ix = torch.randint(len(data) - block - 1, (batch,), generator=gen)
+    inputs = torch.stack([data[i:i + block] for i in ix])
+    targets = torch.stack([data[i + 1:i + block + 1] for i in ix])
+    return inputs, targets
+
+
+def _train(model, opt, watcher, next_batch, *, steps: int, log_path: Path, summary: dict,
+           print_every: int, stream) -> None:
+    """The optimizer steps: one line in train.jsonl each, progress every print_every.
+    Ends early on Ctrl-C (KeyboardInterrupt, between two steps) or a non-finite loss."""
+    t_start = time.perf_counter()
+    stop = _StopOnSigint()
+    with stop, open(log_path, "a", encoding="utf-8") as log:
+        for step in range(steps):
+            if stop.requested:
+                raise KeyboardInterrupt
+            t0 = time.perf_counter()
+            x, y = next_batch()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            watcher.step()
+            dt = time.perf_counter() - t0
+            loss_v = loss.item()
+            log.write(json.dumps({"step": step, "loss": loss_v, "seconds": dt}) + "\n")
+            log.flush()
+            summary["steps_done"] = step + 1
+            if step % print_every == 0 or step == steps - 1:
+                rate = (step + 1) / (time.perf_counter() - t_start)
+                print(_progress(step, steps, loss_v, rate, watcher), file=stream)
+            if not math.isfinite(loss_v):
+                summary["ended"] = "loss not finite"
+                return
+
+
+def _progress(step: int, steps: int, loss: float, rate: float, watcher) -> str:
+    """A progress bar, the loss, steps per second and how many heads left STANDARD."""
+    modes = sum(m != fw.Mode.STANDARD for ms in watcher.head_modes().values() for m in ms)
+    done = int(20 * (step + 1) / steps)
+    return (f"[{'#' * done}{'.' * (20 - done)}] "
+            f"step {step + 1:>5}/{steps}  loss {loss:.3f}  "
+            f"{rate:.2f} steps/s  heads not STANDARD: {modes}")
 
 
 class _StopOnSigint:
