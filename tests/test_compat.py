@@ -344,3 +344,64 @@ def test_the_committed_table_is_current():
     assert TABLE.exists(), f"{TABLE} is missing: run FLASHWATCH_WRITE_COMPAT=1 pytest {__file__}"
     assert TABLE.read_text() == text, ("docs/compatibility.md differs from what the suite "
                                        "finds; rerun with FLASHWATCH_WRITE_COMPAT=1")
+
+
+def _tiny_hf(cls_cfg: str, cls_model: str, **extra):
+    """1 layer, 2 heads of head_dim 16 (a head dim the Triton kernels take) on 1 KV head."""
+    import transformers as T
+
+    if extra.get("attn_implementation") == hf_attention.NAME:
+        hf_attention.register()
+    cfg = getattr(T, cls_cfg)(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=16,
+                              max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    return getattr(T, cls_model)(cfg).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2_fw"])
+def test_masked_hf_calls_run_the_triton_kernels(monkeypatch, arch):
+    """What backend="auto" does on CUDA, shown in Triton's interpreter: a padded batch's
+    mask (Mistral: with its sliding window; Gemma2: with its softcap) runs the Triton
+    kernels with FP32_O on every head. Their output is within the 2× rule of the model's
+    own BF16 output against FP64, no layer is unmitigable, no monitor error."""
+    pytest.importorskip("triton")
+    from flashwatch.kernels import triton_attention
+
+    model = _tiny_hf("MistralConfig", "MistralForCausalLM", sliding_window=6) \
+        if arch == "mistral" else _tiny_hf("Gemma2Config", "Gemma2ForCausalLM",
+                                           sliding_window=6, attn_logit_softcapping=5.0,
+                                           attn_implementation=hf_attention.NAME)
+    with torch.no_grad():  # scores of a few units, so the cap and the masks matter
+        for p in (model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj):
+            p.weight.mul_(40)
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, 8:] = 0
+    real = mask.bool()
+    own = copy.deepcopy(model)  # the model's own attention: SDPA, or Gemma2's eager
+    if arch != "mistral":
+        own.set_attn_implementation("eager")
+    ref = copy.deepcopy(own).double()
+    if arch != "mistral":  # its calls are flashwatch.attention's: "auto" is Triton on CUDA
+        monkeypatch.setattr(hf_attention, "dispatch", SimpleNamespace(
+            attention=functools.partial(dispatch.attention, backend="triton")))
+    calls = []
+    forward = triton_attention.forward
+    monkeypatch.setattr(triton_attention, "forward",
+                        lambda *a, **k: calls.append(k.get("attn_mask")) or forward(*a, **k))
+    with torch.no_grad():
+        exact = ref(input_ids=ids, attention_mask=mask).logits[real]
+        base = own(input_ids=ids, attention_mask=mask).logits.double()[real]
+        w = fw.watch(model, every_n_steps=1, backend="triton", route_all=True)
+        w.set_head_modes("model.layers.0.self_attn", [Mode.FP32_O] * 2)
+        w.step()
+        moded = model(input_ids=ids, attention_mask=mask).logits.double()[real]
+        report = w.step()
+    w.remove()
+    assert calls and all(m is not None for m in calls)  # the masked call ran Triton
+    assert not report.unmitigable and report.monitor_errors_total == 0
+    assert all(h.head_mode == Mode.FP32_O for h in report.heads)
+    err, base_err = (moded - exact).abs().max(), (base - exact).abs().max()
+    assert err <= 2 * base_err + 1e-5 * exact.abs().max(), (float(err), float(base_err))
