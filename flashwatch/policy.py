@@ -96,6 +96,73 @@ class Decision:
     reset_window: torch.Tensor  # bool [n]: empty these heads' signal windows now
 
 
+@dataclass
+class _Inputs:
+    """`Policy.decide`'s per-head inputs as numpy [n] (float64; NaN never flags)."""
+    tie: np.ndarray  # tie_ratio
+    z: np.ndarray  # delta_drift_z
+    coh: np.ndarray  # delta_coherence
+    growth: np.ndarray  # spectral_growth
+    fill: np.ndarray  # window_fill
+    logit: np.ndarray | None  # max scaled score; None: not known
+    share: np.ndarray | None  # delta_error_share; None: not measured
+    applied: np.ndarray  # int64: the modes in force this step
+
+
+@dataclass
+class _Flags:
+    """What the rules read from one step's numbers, bool [n] per head unless noted."""
+    ready: np.ndarray  # the window holds min_history steps
+    drift: np.ndarray  # drift z and coherence over their thresholds
+    spectral: np.ndarray  # W^Q growth over threshold, factor × median and logit floor
+    median: float  # median finite spectral_growth over all heads (NaN: none)
+    hazard: np.ndarray  # rule (b): ready, ties and (drift or spectral)
+    share_high: np.ndarray  # rule (a): δ-error share over its threshold
+    flagged: np.ndarray  # hazard or share_high
+    excess: np.ndarray  # float64: nats BETA's shift would sit above the row max
+    beta_safe: np.ndarray  # excess within beta_limit (NaN: not safe)
+
+
+@dataclass
+class _Moves:
+    """One step of the state machine, before it is kept: int64 [n] modes and counters,
+    bool [n] rules."""
+    cur: np.ndarray  # the mode each head is in ("advise": the recommendation)
+    target: np.ndarray  # the mode each head goes to
+    rule_unsafe: np.ndarray  # BETA outgrown: FP32_O now
+    rule_share: np.ndarray  # rule (a): FP32_O
+    streak: np.ndarray  # consecutive qualifying steps, this one counted
+    since_switch: np.ndarray  # monitored steps in the current mode, this one counted
+    share_streak: np.ndarray  # consecutive large-share steps, this one counted
+
+    @property
+    def go(self) -> np.ndarray:
+        return self.target != self.cur
+
+
+def _flags(cfg: WatchConfig, x: _Inputs) -> _Flags:
+    """The rules' conditions (module docstring), evaluated on one step's inputs."""
+    n = x.tie.size
+    with np.errstate(invalid="ignore"):  # comparisons with NaN are False: never flag
+        ready = x.fill >= cfg.min_history
+        ties = x.tie >= cfg.tie_ratio_threshold
+        drift = (x.z >= cfg.drift_z_threshold) & (x.coh >= cfg.coherence_threshold)
+        finite_growth = x.growth[np.isfinite(x.growth)]
+        median = _median(finite_growth) if finite_growth.size else math.nan
+        spectral = (x.growth >= cfg.spectral_growth_threshold) & (
+            x.growth >= cfg.spectral_growth_factor * median)
+        if x.logit is not None:  # rule (c): ordinary growth at small logits is no hazard
+            spectral &= x.logit >= cfg.growth_min_logit
+        hazard = ready & ties & (drift | spectral)
+        share_high = np.zeros(n, dtype=bool) if x.share is None else (
+            x.share >= cfg.delta_share_threshold)
+        excess = np.zeros(n) if x.logit is None else beta_excess(x.logit, cfg.beta)
+        beta_safe = excess <= beta_limit(cfg)  # NaN (no logit measured): not safe
+    return _Flags(ready=ready, drift=drift, spectral=spectral, median=median, hazard=hazard,
+                  share_high=share_high, flagged=hazard | share_high, excess=excess,
+                  beta_safe=beta_safe)
+
+
 def _median(x: np.ndarray) -> float:
     """torch.median's: the lower of the two middle values (not their mean)."""
     return float(np.partition(x, (x.size - 1) // 2)[(x.size - 1) // 2])
@@ -144,9 +211,35 @@ class Policy:
         known, then BETA counts as safe and the growth rule has no logit floor: for
         offline replays of old logs). share [n]: delta_error_share (None: not measured,
         rule (a) stays off)."""
-        cfg, n = self.config, self.n_heads
         check_int("step", step, hint="the optimizer step")
-        # numpy on [n] arrays: ≈ 1 µs an op against ≈ 5 µs for torch's on the CPU.
+        x = self._inputs(tie_ratio, values, modes, max_logit, share)
+        flags = _flags(self.config, x)
+        t = torch.from_numpy
+        no_reset = np.zeros(self.n_heads, dtype=bool)
+        if self.config.mitigation == "off":
+            return Decision(t(x.applied), t(x.applied.copy()), t(flags.flagged), [],
+                            t(no_reset))
+        auto = self.config.mitigation == "auto"
+        moves = self._moves(x, flags, auto)
+        go = moves.go
+        events = [self._event(step, i, x, flags, moves, auto)
+                  for i in np.flatnonzero(go).tolist()]
+        moves.streak[go] = 0
+        moves.since_switch[go] = 0
+        self.recommended = t(moves.target.copy())
+        self.streak, self.since_switch = t(moves.streak), t(moves.since_switch)
+        self.share_streak = t(moves.share_streak)
+        if auto:
+            return Decision(t(moves.target.copy()), t(moves.target.copy()), t(flags.flagged),
+                            events, t(go))
+        return Decision(t(x.applied), t(moves.target.copy()), t(flags.flagged), events,
+                        t(no_reset))
+
+    def _inputs(self, tie_ratio: torch.Tensor, values: SignalValues, modes: torch.Tensor,
+                max_logit: torch.Tensor | None, share: torch.Tensor | None) -> _Inputs:
+        """decide()'s arguments checked and as numpy: ≈ 1 µs an op on [n] arrays against
+        ≈ 5 µs for torch's on the CPU."""
+        n = self.n_heads
         tie = self._vec("tie_ratio", tie_ratio)
         z = self._vec("values.delta_drift_z", values.delta_drift_z)
         coh = self._vec("values.delta_coherence", values.delta_coherence)
@@ -162,86 +255,62 @@ class Policy:
         applied = modes.detach().to("cpu", torch.int64).numpy().copy()
         if ((applied < STANDARD) | (applied > FP32_O)).any():
             raise ValueError(f"modes must hold flashwatch.Mode values 0..2, got {applied.tolist()}")
+        return _Inputs(tie=tie, z=z, coh=coh, growth=growth, fill=fill, logit=logit,
+                       share=share, applied=applied)
 
-        with np.errstate(invalid="ignore"):  # comparisons with NaN are False: never flag
-            ready = fill >= cfg.min_history
-            ties = tie >= cfg.tie_ratio_threshold
-            drift = (z >= cfg.drift_z_threshold) & (coh >= cfg.coherence_threshold)
-            finite_growth = growth[np.isfinite(growth)]
-            median = _median(finite_growth) if finite_growth.size else math.nan
-            spectral = (growth >= cfg.spectral_growth_threshold) & (
-                growth >= cfg.spectral_growth_factor * median)
-            if logit is not None:  # rule (c): ordinary growth at small logits is no hazard
-                spectral &= logit >= cfg.growth_min_logit
-            hazard = ready & ties & (drift | spectral)
-            share_high = np.zeros(n, dtype=bool) if share is None else (
-                share >= cfg.delta_share_threshold)
-            flagged = hazard | share_high
-            excess = np.zeros(n) if logit is None else beta_excess(logit, cfg.beta)
-            beta_safe = excess <= beta_limit(cfg)  # NaN (no logit measured): not safe
-
-        t = torch.from_numpy
-        events: list[Event] = []
-        reset = np.zeros(n, dtype=bool)
-        if cfg.mitigation == "off":
-            return Decision(t(applied), t(applied.copy()), t(flagged), events, t(reset))
-
-        auto = cfg.mitigation == "auto"
+    def _moves(self, x: _Inputs, flags: _Flags, auto: bool) -> _Moves:
+        """Where each head goes this step (module docstring's state machine)."""
+        cfg = self.config
         # In "auto" the applied modes are the truth; in "advise" the recommendation never
         # sits below what is applied. A mode changed outside the policy (a user's choice,
         # advice followed by hand) restarts that head's counters.
         streak, since_switch = self.streak.numpy().copy(), self.since_switch.numpy().copy()
-        cur = applied if auto else np.maximum(self.recommended.numpy(), applied)
+        cur = x.applied if auto else np.maximum(self.recommended.numpy(), x.applied)
         external = cur != self.recommended.numpy()
         streak[external] = 0
         since_switch[external] = 0
         since_switch += 1  # this step is one more monitored step in the current mode
-        share_streak = np.where(share_high, self.share_streak.numpy() + 1, 0)
+        share_streak = np.where(flags.share_high, self.share_streak.numpy() + 1, 0)
 
         # What moves a head up from its current mode this step.
-        qualifies = (cur == STANDARD) & hazard
+        qualifies = (cur == STANDARD) & flags.hazard
         in_beta = cur == BETA
         if not auto:  # advice escalates only once BETA was really applied (by the user)
-            in_beta &= applied == BETA
-        verify = in_beta & ready & drift
+            in_beta &= x.applied == BETA
+        verify = in_beta & flags.ready & flags.drift
         qualifies = np.where(in_beta, verify, qualifies)
         streak = np.where(qualifies, streak + 1, 0)
         rule_flag = (streak >= cfg.patience) & (
             ~in_beta | (since_switch >= cfg.verify_steps)) & (cur != FP32_O)
         # (b) BETA only where its shift stays inside the guard; a BETA head whose logits
         # outgrew it goes to FP32_O now (the paper's unguarded rule zeroes rows there).
-        rule_unsafe = (cur == BETA) & ~beta_safe & (logit is not None)
+        rule_unsafe = (cur == BETA) & ~flags.beta_safe & (x.logit is not None)
         # (a) a large δ-error share goes to FP32_O directly, whatever the ties.
         rule_share = (share_streak >= cfg.delta_share_steps) & (cur != FP32_O)
         target = np.where(rule_flag, cur + 1, cur)
-        target = np.where(rule_flag & (cur == STANDARD) & ~beta_safe, FP32_O, target)
+        target = np.where(rule_flag & (cur == STANDARD) & ~flags.beta_safe, FP32_O, target)
         target = np.where(rule_unsafe | rule_share, FP32_O, target)
-        go = target != cur
+        return _Moves(cur=cur, target=target, rule_unsafe=rule_unsafe, rule_share=rule_share,
+                      streak=streak, since_switch=since_switch, share_streak=share_streak)
 
-        for i in np.flatnonzero(go).tolist():
-            frm, to = Mode(int(cur[i])), Mode(int(target[i]))
-            if rule_share[i]:
-                reason = (f"[delta_share] δ-error share of the W^Q gradient {_g(share[i])} ≥ "
-                          f"{_g(cfg.delta_share_threshold)} for {cfg.delta_share_steps} "
-                          f"monitored steps")
-            elif rule_unsafe[i]:
-                reason = "[beta_unsafe] " + self._unsafe_text(i, logit, excess)
-            else:
-                reason = self._reason(i, frm, tie, z, coh, growth, median, drift, spectral,
-                                      since_switch, logit)
-                if to == Mode.FP32_O and frm == Mode.STANDARD:
-                    reason += "; " + self._unsafe_text(i, logit, excess)
-            layer, head = self.heads[i]
-            events.append(Event(step=step, layer=layer, head=head, from_mode=frm, to_mode=to,
-                                reason=reason, applied=auto))
-        streak[go] = 0
-        since_switch[go] = 0
-        self.recommended = t(target.copy())
-        self.streak, self.since_switch = t(streak), t(since_switch)
-        self.share_streak = t(share_streak)
-        if auto:
-            return Decision(t(target.copy()), t(target.copy()), t(flagged), events, t(go))
-        return Decision(t(applied), t(target.copy()), t(flagged), events, t(reset))
+    def _event(self, step: int, i: int, x: _Inputs, flags: _Flags, moves: _Moves,
+               auto: bool) -> Event:
+        """Head i's mode change, with the rule that moved it and its numbers."""
+        cfg = self.config
+        frm, to = Mode(int(moves.cur[i])), Mode(int(moves.target[i]))
+        if moves.rule_share[i]:
+            reason = (f"[delta_share] δ-error share of the W^Q gradient {_g(x.share[i])} ≥ "
+                      f"{_g(cfg.delta_share_threshold)} for {cfg.delta_share_steps} "
+                      f"monitored steps")
+        elif moves.rule_unsafe[i]:
+            reason = "[beta_unsafe] " + self._unsafe_text(i, x.logit, flags.excess)
+        else:
+            reason = self._reason(i, frm, x, flags, moves.since_switch)
+            if to == Mode.FP32_O and frm == Mode.STANDARD:
+                reason += "; " + self._unsafe_text(i, x.logit, flags.excess)
+        layer, head = self.heads[i]
+        return Event(step=step, layer=layer, head=head, from_mode=frm, to_mode=to,
+                     reason=reason, applied=auto)
 
     def _unsafe_text(self, i, logit, excess) -> str:
         cfg = self.config
@@ -257,26 +326,27 @@ class Policy:
         self.streak[mask] = 0
         self.since_switch[mask] = 0
 
-    def _reason(self, i, frm, tie, z, coh, growth, median, drift, spectral, since_switch,
-                logit=None) -> str:
+    def _reason(self, i: int, frm: Mode, x: _Inputs, flags: _Flags,
+                since_switch: np.ndarray) -> str:
         cfg = self.config
-        drift_text = (f"drift z {_g(z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "
-                      f"{_g(coh[i])} ≥ {_g(cfg.coherence_threshold)}")
+        drift_text = (f"drift z {_g(x.z[i])} ≥ {_g(cfg.drift_z_threshold)}, coherence "
+                      f"{_g(x.coh[i])} ≥ {_g(cfg.coherence_threshold)}")
         for_steps = f"for {cfg.patience} monitored step{'s' * (cfg.patience != 1)}"
         if frm == Mode.BETA:
             return (f"[drift_persists] drift persists {int(since_switch[i])} monitored "
                     f"steps after the switch to BETA (verify_steps {cfg.verify_steps}): "
                     f"{drift_text} {for_steps}")
-        rules = [name for name, hit in (("drift", drift[i]), ("wq_growth", spectral[i])) if hit]
-        parts = [f"tie ratio {_g(tie[i])} ≥ {_g(cfg.tie_ratio_threshold)}"]
-        if drift[i]:
+        rules = [name for name, hit in (("drift", flags.drift[i]),
+                                        ("wq_growth", flags.spectral[i])) if hit]
+        parts = [f"tie ratio {_g(x.tie[i])} ≥ {_g(cfg.tie_ratio_threshold)}"]
+        if flags.drift[i]:
             parts.append(drift_text)
-        if spectral[i]:
-            floor = "" if logit is None else (f", max logit {_g(logit[i])} ≥ "
-                                              f"{_g(cfg.growth_min_logit)}")
-            parts.append(f"W^Q spectral growth {_g(growth[i])} ≥ "
+        if flags.spectral[i]:
+            floor = "" if x.logit is None else (f", max logit {_g(x.logit[i])} ≥ "
+                                                f"{_g(cfg.growth_min_logit)}")
+            parts.append(f"W^Q spectral growth {_g(x.growth[i])} ≥ "
                          f"{_g(cfg.spectral_growth_threshold)} and ≥ "
-                         f"{_g(cfg.spectral_growth_factor)} × median {_g(median)}{floor}")
+                         f"{_g(cfg.spectral_growth_factor)} × median {_g(flags.median)}{floor}")
         return f"[{'+'.join(rules)}] " + ", ".join(parts) + f" {for_steps}"
 
     def _vec(self, name: str, t) -> np.ndarray:

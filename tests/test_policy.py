@@ -12,7 +12,7 @@ from _helpers import HEADS, mvec, policy, svals, tvec
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
-from flashwatch.policy import Policy
+from flashwatch.policy import Policy, _flags
 from flashwatch.signals import HeadSignals
 
 F64 = torch.float64
@@ -168,9 +168,9 @@ def test_nan_inputs_never_flag():
     # NaN in other heads does not stop a real spectral outlier from being flagged.
     d = p.decide(9, tvec(), svals(growth=[0.5, 0.01, nan]), mvec())
     assert d.flagged.tolist() == [True, False, False]
+    x = p._inputs(tvec(), svals(growth=[0.5, 0.01, nan]), mvec(), None, None)
     assert "W^Q spectral growth 0.5 ≥ 0.2 and ≥ 3 × median" in p._reason(
-        0, Mode.STANDARD, tvec().tolist(), [0.0] * 3, [0.0] * 3, [0.5, 0.01, nan], 0.255,
-        [False] * 3, [True] * 3, [0] * 3)
+        0, Mode.STANDARD, x, _flags(p.config, x), [0] * 3)
 
 
 def test_state_round_trip_gives_identical_decisions():
