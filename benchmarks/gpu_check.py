@@ -51,8 +51,8 @@ REAL = dict(device="cuda", B=8, H=16, grid=[(n, d, c) for c in (True, False)
             rep_ms=100, backend="triton")
 DRY = dict(device="cpu", B=1, H=3, grid=[(48, 16, True), (40, 16, False)], rep_ms=5,
            backend="triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference")
-BUDGET_S = {"a": 300, "b": 120, "c": 420}  # a run ≤ 420 s of work + ≈ 30 s of start-up
-CHECK_TIMEOUT_S = {"a": 240, "b": 90, "c": 200}  # one sub-check; w (warm) is inside a
+BUDGET_S = {"a": 300, "b": 120, "c": 420, "t": 420}  # a run ≤ 420 s + ≈ 30 s of start-up
+CHECK_TIMEOUT_S = {"a": 240, "b": 90, "c": 200, "t": 300}  # one sub-check; w (warm) is in a
 MODES = (Mode.STANDARD, Mode.BETA, Mode.FP32_O)
 VARIANTS = ("counters_off", "counters_on", "all_beta", "all_fp32_o")
 TARGETS = {"sdpa_over_counters_off": 0.9, "counters_on": 0.03, "all_beta": 0.05,
@@ -361,7 +361,29 @@ def compile_estimate(cfg: dict) -> dict:
     return out
 
 
-STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead"}
+STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead",
+          "t": "the Triton test files, compiled"}
+# (t): the CPU suite's Triton tests (interpreter-sized shapes: masks, softcap, ragged
+# blocks, exact counters, five matmuls a block pair) run natively, one pytest per file.
+# FLASHWATCH_TRITON_AUTOTUNE=0: one fixed config per kernel variant, so the compiles fit.
+# test_triton_tuning.py is left out: it checks the autotuner, which this turns off.
+NATIVE_TESTS = ("test_triton_api.py", "test_triton_attention.py", "test_triton_backward.py",
+                "test_triton_helpers.py", "test_triton_masks.py")
+
+
+def native_tests(name: str, dry: bool) -> dict:
+    """One test file under pytest with TRITON_INTERPRET=0 (--dry-run: collected only, in
+    the interpreter). ok when pytest passes and nothing was skipped."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if dry else "0",
+               FLASHWATCH_TRITON_AUTOTUNE="0", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+           *(["--collect-only"] if dry else []), str(ROOT / "tests" / name)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=CHECK_TIMEOUT_S["t"] - 10)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    summary = lines[-1] if lines else p.stderr[-300:]
+    return {"ok": p.returncode == 0 and "skipped" not in summary, "summary": summary,
+            "tail": (p.stdout + p.stderr)[-1500:]}
 
 
 def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
@@ -376,18 +398,19 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
             ("tuned_configs", tuned_configs)],
         "c": [(m, lambda m=m: bench_watcher.overhead_modes(cfg["device"], m, dry))
               for m in ("eager", "compiled", "reduce_overhead")],
+        "t": [(f, lambda f=f: native_tests(f, dry)) for f in NATIVE_TESTS],
     }
-    todo = "abc" if stage == "all" else stage
+    todo = "abct" if stage == "all" else stage
     warmer = checks["a"].pop(0)
     if warm_first:  # the first of a and b warms the cache
         checks["a" if "a" in todo else "b"].insert(0, warmer)
-    return [(s, checks[s]) for s in "abc" if s in todo]
+    return [(s, checks[s]) for s in "abct" if s in todo]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", default="ab", choices=("a", "b", "c", "ab", "all"),
-                    help="ab then c: two runs of ≤ 8 min each")
+    ap.add_argument("--stage", default="ab", choices=("a", "b", "c", "t", "ab", "all"),
+                    help="ab then c: two runs of ≤ 8 min each; t if the loan has time")
     ap.add_argument("--out", required=False, default=str(ROOT / "gpu_check.json"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference")
     ap.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
@@ -410,13 +433,13 @@ def main() -> int:
     for item in args.budget:
         name, _, secs = item.partition("=")
         if name not in BUDGET_S or not secs.replace(".", "", 1).isdigit():
-            ap.error(f"--budget takes STAGE=SECONDS with STAGE in a, b, c; got {item!r}")
+            ap.error(f"--budget takes STAGE=SECONDS with STAGE in a, b, c, t; got {item!r}")
         budget[name] = float(secs)
     meta = {"argv": sys.argv[1:], "dry_run": args.dry_run, "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "device": torch.cuda.get_device_name() if not args.dry_run else "cpu",
             "config": {k: v for k, v in cfg.items()}, "budget_s": budget,
-            "stages": {s: STAGES[s] for s in ("abc" if args.stage == "all" else args.stage)}}
+            "stages": {s: STAGES[s] for s in ("abct" if args.stage == "all" else args.stage)}}
     try:
         meta["compile_estimate"] = compile_estimate(REAL)
     except Exception as e:  # the kernels' tuning module moved: say so, go on

@@ -12,7 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ("N48_D16_causal", "N40_D16_full")
 CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs",),
-          "c": ("eager", "compiled", "reduce_overhead")}
+          "c": ("eager", "compiled", "reduce_overhead"),
+          "t": tuple(p.name for p in sorted((ROOT / "tests").glob("test_triton_*.py"))
+                     if p.name != "test_triton_tuning.py")}
 
 
 def run(tmp_path, *args, env=None, timeout=600):
@@ -30,7 +32,7 @@ def checks_of(data, stage):
     return data["stages"][stage]["checks"]
 
 
-@pytest.mark.parametrize("stage", ["a", "b", "c"])
+@pytest.mark.parametrize("stage", ["a", "b", "c", "t"])
 def test_stage_writes_every_sub_check(tmp_path, stage):
     proc, data = run(tmp_path, "--stage", stage, *(["--no-warm"] if stage == "b" else []))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -56,6 +58,8 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
                                         "all_beta", "all_fp32_o"}
         assert all(v["tflops"]["fwd_bwd"] > 0 for v in res["variants"].values())
         assert set(res["fwd_bwd_ratios"]) == set(res["meets_target"])
+    if stage == "t":  # collected in the interpreter; on the GPU they run compiled
+        assert all(" collected" in got[f]["result"]["summary"] for f in CHECKS["t"])
     if stage == "c":
         phases = got["eager"]["result"]["phases"]
         assert set(phases) == {"not_watched", "watched_sdpa", "watched_routed"}
