@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+
 from flashwatch._checks import missing_extra
 from flashwatch.sinks import read_jsonl
 
@@ -70,38 +72,60 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
         raise missing_extra("matplotlib", "report", "flashwatch report") from e
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
     run = load_run(run_dir)
     out = Path(out or run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    heads, steps, series, events = run["heads"], run["steps"], run["series"], run["events"]
-    labels = [_label(h) for h in heads]
-    written = []
+    shown = _shown_heads(run)
+    written = [_plot_ties(run, out / "ties_heatmap.png"),
+               _plot_drift(run, shown, out / "drift.png"),
+               _plot_spectral(run, shown, out / "spectral.png"),
+               _plot_loss(run, out / "loss.png")]
+    md = out / "report.md"
+    md.write_text(_markdown(run))
+    written.append(md)
+    return written
 
-    # 1. tie ratio heatmap: rows = heads grouped by layer, columns = monitored steps
-    ties = np.array(series["tied_rowmax_ratio"]).T  # [heads, steps]
-    fig, ax = plt.subplots(figsize=(10, 0.25 * len(heads) + 2))
+
+def _subplots(*args, **kwargs):
+    import matplotlib.pyplot as plt  # after make_report's matplotlib.use("Agg")
+
+    return plt.subplots(*args, **kwargs)
+
+
+def _shown_heads(run: dict) -> list[int]:
+    """Indices of the heads the drift and spectral plots single out: the flagged ones (a
+    mode event), or the worst 4 by final drift z when no head was flagged."""
+    heads = run["heads"]
+    flagged = sorted({(e["layer"], e["head"]) for e in run["events"]})
+    if not flagged:
+        final_z = np.nan_to_num(np.array(run["series"]["delta_drift_z"])[-1], nan=-np.inf)
+        flagged = [heads[i] for i in np.argsort(-final_z)[:4]]
+    return [heads.index(h) for h in flagged if h in heads]
+
+
+def _plot_ties(run: dict, path: Path) -> Path:
+    """Tie ratio heatmap: rows = heads grouped by layer, columns = monitored steps."""
+    heads, steps = run["heads"], run["steps"]
+    ties = np.array(run["series"]["tied_rowmax_ratio"]).T  # [heads, steps]
+    fig, ax = _subplots(figsize=(10, 0.25 * len(heads) + 2))
     im = ax.imshow(np.ma.masked_invalid(ties), aspect="auto", cmap="magma", vmin=0,
                    interpolation="nearest",
                    extent=(steps[0] - 0.5, steps[-1] + 0.5, len(heads) - 0.5, -0.5))
-    ax.set_yticks(range(len(heads)), labels, fontsize=7)
+    ax.set_yticks(range(len(heads)), [_label(h) for h in heads], fontsize=7)
     ax.set_xlabel("optimizer step")
     ax.set_title("tied-rowmax ratio per layer/head")
     fig.colorbar(im, ax=ax, label="tied rows / rows")
-    written.append(_save(fig, out / "ties_heatmap.png"))
+    return _save(fig, path)
 
-    # 2. drift z and coherence of the flagged heads (or the worst 4 by final drift z)
-    flagged = sorted({(e["layer"], e["head"]) for e in events})
-    if not flagged:
-        final_z = np.nan_to_num(np.array(series["delta_drift_z"])[-1], nan=-np.inf)
-        flagged = [heads[i] for i in np.argsort(-final_z)[:4]]
-    idx = [heads.index(h) for h in flagged if h in heads]
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for i in idx:
-        a1.plot(steps, [row[i] for row in series["delta_drift_z"]], label=labels[i])
-        a2.plot(steps, [row[i] for row in series["delta_coherence"]], label=labels[i])
+
+def _plot_drift(run: dict, shown: list[int], path: Path) -> Path:
+    """Drift z and coherence of the heads `shown`, mode events marked."""
+    steps, series, events = run["steps"], run["series"], run["events"]
+    fig, (a1, a2) = _subplots(2, 1, figsize=(10, 6), sharex=True)
+    for i in shown:
+        label = _label(run["heads"][i])
+        a1.plot(steps, [row[i] for row in series["delta_drift_z"]], label=label)
+        a2.plot(steps, [row[i] for row in series["delta_coherence"]], label=label)
     _mark_events(a1, events)
     _mark_events(a2, events)
     a1.set_ylabel("drift z")
@@ -109,39 +133,38 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     a2.set_xlabel("optimizer step")
     a1.set_title("δ-error drift of " + ("flagged heads" if events else "the 4 worst heads"))
     a1.legend(fontsize=7, ncol=4)
-    written.append(_save(fig, out / "drift.png"))
+    return _save(fig, path)
 
-    # 3. W^Q spectral norms
-    fig, ax = plt.subplots(figsize=(10, 4))
-    sig = np.array(series["wq_spectral_norm"])
-    for i in range(len(heads)):
-        ax.plot(steps, sig[:, i], lw=1.5 if i in idx else 0.6,
-                label=labels[i] if i in idx else None)
-    _mark_events(ax, events)
+
+def _plot_spectral(run: dict, shown: list[int], path: Path) -> Path:
+    """W^Q spectral norm of every head, the heads `shown` bold and labelled."""
+    fig, ax = _subplots(figsize=(10, 4))
+    sig = np.array(run["series"]["wq_spectral_norm"])
+    for i, head in enumerate(run["heads"]):
+        ax.plot(run["steps"], sig[:, i], lw=1.5 if i in shown else 0.6,
+                label=_label(head) if i in shown else None)
+    _mark_events(ax, run["events"])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("‖W^Q_h‖₂")
     ax.set_title("W^Q spectral norm per head (flagged heads bold)")
-    if idx:
+    if shown:
         ax.legend(fontsize=7)
-    written.append(_save(fig, out / "spectral.png"))
+    return _save(fig, path)
 
-    # 4. loss with events
-    fig, ax = plt.subplots(figsize=(10, 4))
+
+def _plot_loss(run: dict, path: Path) -> Path:
+    """Training loss (train.jsonl) with the mode events marked."""
+    fig, ax = _subplots(figsize=(10, 4))
     if run["loss"]:
         s, l = zip(*run["loss"], strict=True)
         ax.plot(s, l, lw=0.8)
     else:
         ax.text(0.5, 0.5, "no train.jsonl in this run", ha="center", transform=ax.transAxes)
-    _mark_events(ax, events)
+    _mark_events(ax, run["events"])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title("training loss; vertical lines: mode changes")
-    written.append(_save(fig, out / "loss.png"))
-
-    md = out / "report.md"
-    md.write_text(_markdown(run))
-    written.append(md)
-    return written
+    return _save(fig, path)
 
 
 def _mark_events(ax, events) -> None:
