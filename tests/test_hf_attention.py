@@ -172,3 +172,28 @@ def test_register_is_idempotent_and_its_name_asks_for_no_flash_kernel():
     hf_attention.register()
     assert AttentionInterface()[hf_attention.NAME] is hf_attention.attention_forward
     assert "flash" not in hf_attention.NAME
+
+
+def test_t5_position_bias_and_its_gradient_as_sdpa():
+    """T5 passes its learned relative bias as position_bias: folded into one float mask
+    with the padding (encoder), the causal pattern (decoder) and the cross mask, as
+    transformers' SDPA path does; logits and the bias table's gradient equal SDPA's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    hf_attention.register()
+    ids, mask = _batch()
+    logits, grads = {}, {}
+    for impl in ("sdpa", hf_attention.NAME):
+        torch.manual_seed(0)
+        model = T5ForConditionalGeneration(T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.0, attn_implementation=impl))
+        out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids.flip(1)).logits
+        out.square().mean().backward()
+        logits[impl] = out.detach()
+        grads[impl] = {n: p.grad for n, p in model.named_parameters()
+                       if "relative_attention_bias" in n}
+    torch.testing.assert_close(logits[hf_attention.NAME], logits["sdpa"], rtol=1e-5, atol=1e-5)
+    assert len(grads["sdpa"]) == 2 and all(g.abs().sum() > 0 for g in grads["sdpa"].values())
+    for n, g in grads["sdpa"].items():
+        torch.testing.assert_close(grads[hf_attention.NAME][n], g, rtol=1e-4, atol=1e-7, msg=n)

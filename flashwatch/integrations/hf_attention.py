@@ -44,9 +44,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, softcap: float | None = None,
+                      position_bias: torch.Tensor | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, Nq, D], key and value
-    [B, H_kv, Nk, D] (H_kv dividing H), attention_mask from `sdpa_mask` or None.
+    [B, H_kv, Nk, D] (H_kv dividing H), attention_mask from `sdpa_mask` or None,
+    position_bias (T5's learned relative bias) added to the scores as SDPA's path adds it.
     Returns ([B, Nq, H, D], None) as every implementation does. sliding_window and the
     other keywords arrive already folded into the mask."""
     if dropout:
@@ -64,9 +66,31 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     # As transformers' SDPA path: the causal flag only without a mask, never for a single
     # query (a decode step sees every cached key).
     causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    if position_bias is not None:
+        attention_mask, causal = _with_bias(position_bias, attention_mask, causal, query, key)
+    # A mask that needs a gradient (a learned bias) gets it from the reference only; the
+    # Triton kernels ("auto" on CUDA) would refuse the call.
+    learned = attention_mask is not None and attention_mask.requires_grad and \
+        torch.is_grad_enabled()
     out = dispatch.attention(query, key, value, causal=causal, scale=scaling,
-                             attn_mask=attention_mask, softcap=softcap)
+                             attn_mask=attention_mask, softcap=softcap,
+                             backend="reference" if learned else "auto")
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_bias(bias, mask, causal: bool, query, key):
+    """(one float mask, causal=False): T5's position_bias with the keys that `mask` (bool:
+    False hides; float: added) or the causal flag hide at finfo.min, as SDPA's path."""
+    bias = bias[..., :key.shape[2]]
+    if mask is not None and mask.dtype != torch.bool:
+        return bias + mask, False
+    if mask is None and causal:
+        i = torch.arange(query.shape[2], device=bias.device)
+        mask = i[:, None] >= torch.arange(key.shape[2], device=bias.device)[None, :]
+    if mask is None:
+        return bias, False
+    low = max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min)
+    return torch.where(mask, bias, low), False
 
 
 def register() -> None:
