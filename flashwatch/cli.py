@@ -142,7 +142,8 @@ def _add_diagnose(sub) -> None:
                            "several: oldest first, for growth between them")
     diag.add_argument("--data", required=True,
                       help="token ids (.bin uint16 as nanoGPT writes, .npy, .pt) or a text file")
-    diag.add_argument("--batches", type=_positive, default=8, help="batches to measure (8)")
+    # 16: a sign that never changes over n batches has |z| = sqrt(n); 3 needs n ≥ 9
+    diag.add_argument("--batches", type=_positive, default=16, help="batches to measure (16)")
     diag.add_argument("--batch-size", type=_positive, default=1, help="rows per batch (1)")
     diag.add_argument("--block", type=_positive, default=None,
                       help="tokens per row (the model's context, at most 1024)")

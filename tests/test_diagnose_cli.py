@@ -5,6 +5,7 @@ and its errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -85,3 +86,13 @@ def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
     assert main(["diagnose", str(tmp_path / "other.pt"), "--data",
                  str(tmp_path / "d.txt")]) == 2
     assert "not a nanoGPT checkpoint" in capsys.readouterr().err
+
+
+def test_the_default_batch_count_can_show_a_persistent_sign():
+    """A sign that never changes over n batches has |z| = √n: the default must reach
+    diagnose_rank.Z_MIN, or no head can ever be called a paper failure from the CLI."""
+    from flashwatch.cli import build_parser
+    from flashwatch.diagnose_rank import Z_MIN
+
+    args = build_parser().parse_args(["diagnose", "ckpt.pt", "--data", "train.bin"])
+    assert math.sqrt(args.batches) >= Z_MIN, args.batches
