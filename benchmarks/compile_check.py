@@ -36,9 +36,13 @@ from flashwatch.kernels import triton_tuning as tuning  # noqa: E402
 PTRS = {"Q", "K", "V", "O", "DO", "DK", "DV", "DQ"}
 FP32_PTRS = {"O32", "LSE", "DELTA", "ST_MAX", "DQ32"}
 FLOATS = {"sm_scale", "qk_scale", "cap", "beta_m1", "eps", "guard", "min_excess"}
-# attn_mask and softcap variants (constexprs MASK_KIND: 0 none, 1 bool read as u8, 2 float)
-PLAIN = dict(MASK_KIND=0, SOFTCAP=False)
-MASKED = [dict(MASK_KIND=1, SOFTCAP=False), dict(MASK_KIND=2, SOFTCAP=True)]
+# attn_mask, softcap and sliding-window variants (constexprs MASK_KIND: 0 none, 1 bool
+# read as u8, 2 float; SOFTCAP; SLIDING, its size the i32 `window`, never specialised)
+PLAIN = dict(MASK_KIND=0, SOFTCAP=False, SLIDING=False)
+MASKED = [dict(MASK_KIND=1, SOFTCAP=False, SLIDING=False),
+          dict(MASK_KIND=2, SOFTCAP=True, SLIDING=False),
+          dict(MASK_KIND=0, SOFTCAP=False, SLIDING=True),
+          dict(MASK_KIND=1, SOFTCAP=True, SLIDING=True)]
 
 
 def signature(fn, dt, constexprs):
@@ -140,13 +144,13 @@ def main() -> int:
     if args.space:
         jobs = [j for j in jobs if in_space(j[0], j[2], j[3], j[4])]
     failures = spilling = 0
-    print("kernel       dtype D   causal stats mask cap BLOCK_M BLOCK_N warps stages regs "
-          "spill_st spill_ld smem  in_space")
+    print("kernel       dtype D   causal stats mask cap win BLOCK_M BLOCK_N warps stages "
+          "regs spill_st spill_ld smem  in_space")
     for fn, dt, consts, warps, stages in jobs:
         t0 = time.time()
         tag = f"{fn.__name__:12s} {dt:5s} {consts['D']:<3d} {consts.get('CAUSAL', '-')!s:6s} " \
               f"{consts.get('STATS', '-')!s:5s} {consts.get('MASK_KIND', '-')!s:4s} " \
-              f"{consts.get('SOFTCAP', '-')!s:3.3s}"
+              f"{consts.get('SOFTCAP', '-')!s:3.3s} {consts.get('SLIDING', '-')!s:3.3s}"
         try:
             k = compile_one(fn, dt, consts, warps, stages, args.arch)
             regs, st, ld = ptxas_usage(k.asm["ptx"], args.arch)

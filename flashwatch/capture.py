@@ -153,14 +153,15 @@ class Recorder(ProbeRecorder):
 
     def interceptor(self, st: LayerState):
         def intercept(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0,
-                      eps=1e-3, stats=None, backend="auto", attn_mask=None, softcap=None):
+                      eps=1e-3, stats=None, backend="auto", attn_mask=None, softcap=None,
+                      sliding_window=None):
             st.compiled.fw_seen = True  # its compiled steps stay on the eager path (traced.py)
             if self.cadence.measuring:
                 st.buf.calls += 1
             # The caller's mistakes are the caller's errors, exactly as without a watcher.
             check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
-                         softcap=softcap)
+                         softcap=softcap, sliding_window=sliding_window)
             # One β and eps per watched layer, the WatchConfig's: the heads the policy
             # switches and the ties it counts must use the values it was configured with.
             if (beta, eps) != (self.config.beta, self.config.eps):
@@ -170,7 +171,8 @@ class Recorder(ProbeRecorder):
                                 f"eps={self.config.eps} apply (pass them to flashwatch.watch)")
             try:
                 out = self._routed(st, q, k, v, causal, scale, head_modes, user_stats=stats,
-                                   backend=backend, attn_mask=attn_mask, softcap=softcap)
+                                   backend=backend, attn_mask=attn_mask, softcap=softcap,
+                                   sliding_window=sliding_window)
             except _dispatch_mod.NotInKernel:  # the call is refused without a watcher too
                 raise
             except Exception as e:  # a failure of ours: run the call as it was made
@@ -179,10 +181,11 @@ class Recorder(ProbeRecorder):
                 return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
                                                head_modes=head_modes, beta=beta, eps=eps,
                                                stats=stats, backend=backend,
-                                               attn_mask=attn_mask, softcap=softcap)
+                                               attn_mask=attn_mask, softcap=softcap,
+                                               sliding_window=sliding_window)
             if self.cadence.measuring:
                 self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True,
-                                 softcap=softcap)
+                                 softcap=softcap, sliding_window=sliding_window)
             return out
         return intercept
 
@@ -194,7 +197,7 @@ class Recorder(ProbeRecorder):
             st.unmitigable = reason
 
     def _routed(self, st, q, k, v, causal, scale, head_modes, *, user_stats=None, beta=None,
-                eps=None, backend=None, attn_mask=None, softcap=None):
+                eps=None, backend=None, attn_mask=None, softcap=None, sliding_window=None):
         cfg = self.config
         if k.shape[1] != q.shape[1]:  # grouped-query attention (enable_gqa)
             rep = q.shape[1] // k.shape[1]
@@ -211,7 +214,7 @@ class Recorder(ProbeRecorder):
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32, attn_mask=attn_mask,
-            softcap=softcap)
+            softcap=softcap, sliding_window=sliding_window)
         if not recomputing():
             st.routed_calls += 1
         st.buf.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None

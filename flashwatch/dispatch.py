@@ -88,7 +88,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               scale: float | None = None, head_modes=None, beta: float = 2.0,
               eps: float = 1e-3, stats: AttentionStats | None = None,
               backend: str = "auto", attn_mask: torch.Tensor | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sliding_window: int | None = None
+              ) -> torch.Tensor:
     """Attention like `F.scaled_dot_product_attention`, with per-head modes and counters.
 
     q, k, v: [B, H, N, D], bfloat16, float16 or float32, one device.
@@ -114,6 +115,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     softcap: Gemma2's attention-logit softcapping, s = softcap·tanh(s/softcap) on the
       scaled scores before the masks; ties and max logit are of the capped scores.
       Every backend but "paper" (ValueError).
+    sliding_window: Mistral's and Gemma2's local attention: query i sees key j only if
+      i - j < sliding_window (Hugging Face's sliding_window_overlay; top-left indices,
+      like causal); with causal both apply, without it later keys stay visible. Hides
+      like causal, after the softcap and together with attn_mask. Every backend; Triton
+      skips key blocks outside the window and recompiles nothing for a new size.
 
     Inside a layer watched by `flashwatch.watch`, the watcher adds its head modes (the
     stronger of the two per head) and measures the call; beta and eps there are the
@@ -125,14 +131,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if intercept is not None:
         return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats, backend=backend,
-                         attn_mask=attn_mask, softcap=softcap)
+                         attn_mask=attn_mask, softcap=softcap,
+                         sliding_window=sliding_window)
     return _dispatch(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
                      eps=eps, stats=stats, backend=backend, attn_mask=attn_mask,
-                     softcap=softcap)
+                     softcap=softcap, sliding_window=sliding_window)
 
 
 def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
-              o32_out: list | None = None, attn_mask=None, softcap=None):
+              o32_out: list | None = None, attn_mask=None, softcap=None,
+              sliding_window=None):
     """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,
     [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic)."""
     if backend not in BACKENDS:
@@ -140,19 +148,21 @@ def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
     if torch.compiler.is_compiling():
         scale, _ = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=None,
                                 beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
-                                softcap=softcap)
+                                softcap=softcap, sliding_window=sliding_window)
         modes = _traceable_head_modes(head_modes, q.shape[1])
     else:
         scale, modes = check_inputs(q, k, v, causal=causal, scale=scale,
                                     head_modes=head_modes, beta=beta, eps=eps, stats=stats,
-                                    attn_mask=attn_mask, softcap=softcap)
+                                    attn_mask=attn_mask, softcap=softcap,
+                                    sliding_window=sliding_window)
     backend = _resolve_backend(backend, q, attn_mask)
     if backend == "paper" and softcap is not None:
         raise ValueError(f"softcap={softcap} is not supported by backend='paper' (the "
                          f"paper's code has no softcapping); use backend='reference'")
     o, _lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
         q, k, v, modes, causal, scale, float(beta), float(eps), stats is not None, backend,
-        o32_out is not None, attn_mask, None if softcap is None else float(softcap))
+        o32_out is not None, attn_mask, None if softcap is None else float(softcap),
+        sliding_window)
     if o32_out is not None:
         o32_out.append(_o32)
     if stats is not None:

@@ -48,7 +48,7 @@ def flat(elems, t):
 
 
 def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float,
-              softcap: float | None = None):
+              softcap: float | None = None, sliding_window: int | None = None):
     """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
     element elems[j] (element j if elems is None; `sample_rows`; `flat` gives (b, t)).
 
@@ -58,10 +58,13 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
     SDPA's: bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
     softcap: Gemma2's s = softcap·tanh(s/softcap) on the scaled scores, before the masks,
     as flashwatch.attention computes it (ties and row max are of the capped scores).
+    sliding_window: query t hides key j when t - j >= sliding_window, as
+    flashwatch.attention(sliding_window=) does.
     Returns o32 [E·w, H, D], pk [E·w, H, D], tied [E·w, H] bool, row_max [E·w, H] (fp32).
     """
     with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
-        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap)
+        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap,
+                          sliding_window)
 
 
 # FP32 K and V of at most this many bytes per chunk of batch elements: all of them at
@@ -70,7 +73,7 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
 CHUNK_BYTES = 32 << 20
 
 
-def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap):
+def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap, window=None):
     B, H, Nq, D = q.shape
     G, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if H % G or v.shape[1] != G:
@@ -101,8 +104,12 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap):
             n, H, w, Nk) * scale  # [n, H, w, Nk]
         if softcap is not None:
             s = torch.tanh(s / softcap).mul_(softcap)
-        if causal:  # an additive -inf bias over heads: 10× cheaper than a broadcast fill
-            hidden = torch.arange(Nk, device=q.device) > tc[..., None]  # [n, w, Nk]
+        if causal or window is not None:  # an additive -inf bias over heads: 10× cheaper
+            cols = torch.arange(Nk, device=q.device)  # than a broadcast fill
+            hidden = cols > tc[..., None] if causal else None  # [n, w, Nk]
+            if window is not None:
+                far = tc[..., None] - cols >= window
+                hidden = far if hidden is None else hidden | far
             s = s + torch.zeros(hidden.shape, dtype=s.dtype, device=q.device).masked_fill_(
                 hidden, -math.inf)[:, None]
         if mask is not None:
@@ -112,7 +119,7 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap):
         # Masked logits (-inf) are below any finite row max minus eps: never tied.
         tie = (s >= (mx - eps).unsqueeze(-1)).sum(-1) >= 2  # [n, H, w]
         p = torch.softmax(s, dim=-1)
-        if mask is not None:  # causal alone always leaves key 0 visible
+        if mask is not None or window is not None:  # causal alone leaves key 0 visible
             # A row with no visible key: zero weights (O = 0, as SDPA's math backend),
             # not NaN, and no tie.
             empty = torch.isneginf(mx)

@@ -39,7 +39,7 @@ class ProbeRecorder:
         self.ledger.warn_once((st.site.name, key), message)
 
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True,
-                    softcap=None):
+                    softcap=None, sliding_window=None):
         """The probe on an eager call; grad=False: its ties and max logit only."""
         t0 = time.perf_counter()
         try:
@@ -49,7 +49,7 @@ class ProbeRecorder:
                     self._hook_recompute(st, out)
             else:
                 got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
-                                  softcap)
+                                  softcap, sliding_window)
                 if got is not None and grad:
                     if out.requires_grad:  # the hook goes on the tensor autograd sees
                         out.register_hook(self._grad_hook(st, *got))
@@ -96,7 +96,8 @@ class ProbeRecorder:
                             f"further backward through a reduced call, or a backward "
                             f"after step()); its δ error is not measured")
 
-    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None):
+    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None,
+               sliding_window=None):
         """Sample rows of the call, recompute them in FP32, keep their Sample; returns
         (sample, every_row, rows of the call) for the gradient step, None if not probed."""
         cfg = self.config
@@ -118,7 +119,8 @@ class ProbeRecorder:
             st.buf.sampled = st.buf.sampled or len(b) < B * Nq  # G from some rows only
             o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
                                                      scale=scale, attn_mask=mask, eps=cfg.eps,
-                                                     softcap=softcap)
+                                                     softcap=softcap,
+                                                     sliding_window=sliding_window)
             o_used = out[b, :, t].float()
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
             fp32_dev = None

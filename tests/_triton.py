@@ -9,6 +9,8 @@ TRITON_INTERPRET=1 before anything imports triton); with TRITON_INTERPRET=0 and 
 Accuracy rule (docs/design.md §8): with ref = FP64 math and pt = plain PyTorch math in the
 same low dtype, |out - ref|max ≤ 2·|pt - ref|max + floor, for O and each gradient.
 Counters are compared exactly, to the reference and to a brute-force count.
+`oracle`, `run`, `check` and `inputs`: the masks, softcap and sliding-window tests'
+FP64 oracle, one op call, the 2× rule with counters, and their tie-rich inputs.
 
 Inputs for counter tests are multiples of 1/8 in [-2, 2] (q, k): every product is a
 multiple of 1/64 and every partial sum of ≤ 128 terms is exact in FP32, so S is
@@ -44,6 +46,7 @@ else:
 # The interpreter's forward uses 16-row/16-key blocks; these lengths give 3 blocks with
 # a ragged end, and Nq != Nk.
 NQ, NK = 37, 45
+B, H = 2, 3  # the batch and heads of `inputs` (one head per mode)
 DTYPES = (torch.bfloat16, torch.float16)
 ALL_MODES = [int(Mode.STANDARD), int(Mode.BETA), int(Mode.FP32_O)]
 
@@ -178,3 +181,101 @@ def planted_ties(dtype, big=False):
 
     tied_cols = [0, 5, 6, 7] if big else [0, 1, 3, 5, 6, 7]
     return heads(q), heads(kk), scale, 5 * len(tied_cols)
+
+
+def oracle(q, k, v, do, *, causal, scale, attn_mask=None, softcap=None,
+           sliding_window=None):
+    """FP64 attention with autograd: scale·QKᵀ, cap·tanh(s/cap), then causal, the sliding
+    window (i - j >= window hidden) and attn_mask hide keys (bool False → hidden, float →
+    added). A row with no visible key
+    gives O = 0, LSE = +inf and zero gradients."""
+    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(s.shape[-2])[:, None]
+    j = torch.arange(s.shape[-1])[None, :]
+    hidden = (j > i) if causal else torch.zeros(s.shape[-2:], dtype=torch.bool)
+    if sliding_window is not None:
+        hidden = hidden | (i - j >= sliding_window)
+    if attn_mask is not None:
+        m = attn_mask.cpu()
+        if m.dtype == torch.bool:
+            hidden = hidden | ~m
+        else:
+            s = s + m.double()
+    s = s.masked_fill(hidden, -math.inf)
+    mx = s.amax(-1, keepdim=True).detach()
+    mx = torch.where(torch.isfinite(mx), mx, 0.0)
+    e = torch.exp(s - mx)
+    l = e.sum(-1, keepdim=True)
+    o = torch.matmul(e / torch.where(l == 0, 1.0, l), v)
+    lse = torch.where(l == 0, math.inf, mx + torch.log(l)).squeeze(-1)
+    o.backward(do.cpu().double())
+    return dict(o=o.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
+
+
+def run(backend, q, k, v, do, *, causal, scale, modes=ALL_MODES, **kw):
+    """One forward and backward through the op (LSE and counters included)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    modes = torch.tensor(modes, dtype=torch.int32)
+    o, lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
+        *leaves, modes, causal, scale, 2.0, 1e-3, True, backend, **kw)
+    o.backward(do)
+    grads = [t.grad.cpu() for t in leaves]
+    return dict(o=o.detach().cpu(), lse=lse.cpu(), dq=grads[0], dk=grads[1], dv=grads[2],
+                tied=tied.cpu(), guarded=guarded.cpu(), max_logit=max_logit.cpu())
+
+
+def check(q, k, v, do, *, causal, scale, exact_max=True, **kw):
+    """Triton within 2× the reference's error against FP64; counters as the reference's.
+    Returns the Triton results."""
+    tri = run("triton", q, k, v, do, causal=causal, scale=scale, **kw)
+    ref = run("reference", q, k, v, do, causal=causal, scale=scale, **kw)
+    truth = oracle(q, k, v, do, causal=causal, scale=scale, **kw)
+    for name, t in truth.items():
+        a, r = tri[name].double(), ref[name].double()
+        assert not a.isnan().any(), f"{name}: NaN"
+        fin = torch.isfinite(t)
+        assert torch.equal(torch.isfinite(a), fin), f"{name}: non-finite where FP64 is not"
+        err = (a - t)[fin].abs().max().item()
+        err_ref = (r - t)[fin].abs().max().item()
+        floor = 1e-6 * max(1.0, t[fin].abs().max().item())
+        assert err <= 2 * err_ref + floor, (
+            f"{name}: |triton - fp64| = {err:.3g} > 2·|reference - fp64| = 2·{err_ref:.3g}")
+    assert torch.equal(tri["tied"], ref["tied"]), (tri["tied"], ref["tied"])
+    assert torch.equal(tri["guarded"], ref["guarded"])
+    if exact_max:
+        assert torch.equal(tri["max_logit"], ref["max_logit"])
+    else:  # tanh is not correctly rounded (torch's nor the kernel's): a few FP32 ulps
+        torch.testing.assert_close(tri["max_logit"], ref["max_logit"], rtol=2e-7, atol=0)
+    return tri
+
+
+def inputs(nq, nk, d, dtype, seed, scale_v=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = quantized(B, H, nq, d, gen=gen, dtype=dtype)
+    k = quantized(B, H, nk, d, gen=gen, dtype=dtype)
+    third = nk // 3
+    k[:, :, nk - third:] = k[:, :, :third]  # ties across blocks: BETA shifts mid-row
+    v = (scale_v * torch.randn(B, H, nk, d, generator=gen)).to(dtype).to(DEVICE)
+    do = torch.randn(B, H, nq, d, generator=gen).to(dtype).to(DEVICE)
+    return q, k, v, do
+
+
+def assert_compiled_matches_eager(compiled, step, q, k, v, do, *args):
+    """`compiled(q, k, v, *args, stats)` and `step` (eager) on fresh leaves and stats:
+    the same O, gradients and counters, bit for bit."""
+    h = q.shape[1]
+    stats, stats_eager = fw.AttentionStats.zeros(h), fw.AttentionStats.zeros(h)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves_e = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves, *args, stats)
+    out.backward(do)
+    out_e = step(*leaves_e, *args, stats_eager)
+    out_e.backward(do)
+    assert torch.equal(out, out_e)
+    for a, b in zip(leaves, leaves_e, strict=True):
+        assert torch.equal(a.grad, b.grad)
+    for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
+        assert torch.equal(getattr(stats, name), getattr(stats_eager, name)), name

@@ -319,3 +319,144 @@ def test_the_kernels_level_reference_takes_the_same_mask_and_softcap_bit_for_bit
     want = [fw.attention(q, k, v, **kw)]
     want += torch.autograd.grad(want[0].float().sum(), (q, k, v, bias))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+# ---------------------------------------------------------------------------------------
+# sliding_window (issue 28 item 6): Mistral's and Gemma2's window, Hugging Face's
+# sliding_window_overlay (query i sees key j iff i - j < window), on the reference and
+# the paper backends. The Triton kernels: tests/test_sliding_window.py.
+
+
+def _window_mask(nq, nk, window, causal):
+    """The window as a materialised bool mask (True = attend): what it must equal."""
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    return (i - j < window) & ((j <= i) if causal else True)
+
+
+def _hf_window_mask(nq, nk, window, causal):
+    """The same mask from transformers' own mask functions (the definition we match)."""
+    mu = pytest.importorskip("transformers.masking_utils")
+    fn = (mu.sliding_window_causal_mask_function(window) if causal
+          else mu.sliding_window_overlay(window))
+    zero = torch.tensor(0)
+    return fn(zero, zero, torch.arange(nq)[:, None], torch.arange(nk)[None, :])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_the_window_is_hugging_faces_including_the_off_by_one(window, causal):
+    assert torch.equal(_window_mask(9, 12, window, causal),
+                       _hf_window_mask(9, 12, window, causal))
+    # window 1 with causal: each query sees itself only
+    if window == 1 and causal:
+        assert torch.equal(_window_mask(9, 12, 1, True), torch.eye(9, 12, dtype=torch.bool))
+
+
+WINDOW_SHAPES = [  # (Nq, Nk, window, causal)
+    (1, 1, 1, True),
+    (7, 9, 1, True),  # window 1: the diagonal only
+    (200, 200, 5, True),  # two 128-key blocks: the first is skipped for rows >= 132
+    (300, 260, 130, False),  # later keys visible; rows past Nk + window - 1 see no key
+    (40, 40, 100, True),  # window >= N: causal alone
+]
+
+
+@pytest.mark.parametrize("Nq,Nk,window,causal", WINDOW_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sliding_window_within_the_rule_and_equal_to_its_mask(dtype, Nq, Nk, window, causal):
+    """The 2× rule against FP64 for O, dq, dk, dv; bit for bit the same window given as
+    a materialised bool attn_mask (outputs, gradients and counters), causal passed as
+    such in both (causal stops the reference's key loop at the diagonal: the shorter
+    matmuls may sum in another order, so a materialised causal mask is not bit-equal)."""
+    g = torch.Generator().manual_seed(Nq + window)
+    B, H, D = 2, 3, 32
+    q, do = (torch.randn(B, H, Nq, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, D, generator=g).to(dtype) for _ in range(2))
+    mask = _window_mask(Nq, Nk, window, causal)
+    runs = {}
+    for name, kw in [("window", dict(sliding_window=window, causal=causal)),
+                     ("mask", dict(attn_mask=_window_mask(Nq, Nk, window, False),
+                                   causal=causal))]:
+        stats = fw.AttentionStats.zeros(H)
+        runs[name] = _fwd_bwd(lambda a, b, c, kw=kw, st=stats: fw.attention(
+            a, b, c, head_modes=MODES3, stats=st, **kw), q, k, v, do)
+        runs[name] += [stats.tied_rows, stats.max_logit]
+    assert all(torch.equal(a, b) for a, b in zip(runs["window"], runs["mask"], strict=True))
+    truth = _fwd_bwd(lambda a, b, c: _math(a, b, c, torch.float64, attn_mask=mask), q, k, v, do)
+    pt = _fwd_bwd(lambda a, b, c: _math(a, b, c, dtype, attn_mask=mask), q, k, v, do)
+    _within_rule(runs["window"][:4], pt, truth, dtype, f"window {window}")
+    empty = ~mask.any(-1)
+    if empty.any():  # rows with no visible key: O = 0 and dq = 0, no NaN
+        assert runs["window"][0][:, :, empty].abs().max() == 0
+        assert runs["window"][1][:, :, empty].abs().max() == 0
+    assert all(torch.isfinite(t).all() for t in runs["window"][:4])
+
+
+@pytest.mark.parametrize("N,window,causal", [(7, 2, True), (300, 5, True), (300, 40, False)])
+def test_sliding_window_counters_equal_brute_force(N, window, causal):
+    """Tie-heavy integer data; a score outside the window never ties nor is the max
+    (a key ahead of the window holds the largest score of every row here)."""
+    g = torch.Generator().manual_seed(N + window)
+    B, H, D = 2, 3, 16
+    q, k, v = (torch.randint(-2, 3, (B, H, N, D), generator=g).bfloat16() for _ in range(3))
+    q[..., 0], k[..., 0, :] = 2.0, 2.0  # key 0: the largest score of every row
+    stats = fw.AttentionStats.zeros(H)
+    fw.attention(q, k, v, sliding_window=window, causal=causal, head_modes=MODES3,
+                 stats=stats)
+    tied, max_logit = _brute(q, k, attn_mask=_window_mask(N, N, window, causal))
+    assert stats.tied_rows.tolist() == tied.tolist()
+    assert torch.equal(stats.max_logit, max_logit)
+    if N == 300:
+        assert tied.min() > 0
+        full = fw.AttentionStats.zeros(H)
+        fw.attention(q, k, v, causal=causal, head_modes=MODES3, stats=full)
+        assert not torch.equal(full.tied_rows, stats.tied_rows)  # the window matters
+
+
+@pytest.mark.parametrize("Nq,Nk,window,causal", [(7, 9, 1, True), (600, 600, 37, True),
+                                                 (520, 700, 300, False)])
+def test_the_paper_backend_hides_the_window_as_its_causal_mask(Nq, Nk, window, causal):
+    """backend="paper": bit for bit the same window as a materialised bool mask (hidden
+    with -finfo.max forward, -inf backward, every 512-key block still computed), with
+    the counters; 600 rows: a second 512-query chunk whose first key block is hidden."""
+    g = torch.Generator().manual_seed(Nq)
+    B, H, D = 1, 3, 16
+    q, do = (torch.randn(B, H, Nq, D, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(B, H, Nk, D, generator=g).bfloat16() for _ in range(2))
+    runs = []
+    for kw in (dict(sliding_window=window, causal=causal),
+               dict(attn_mask=_window_mask(Nq, Nk, window, causal))):
+        stats = fw.AttentionStats.zeros(H)
+        runs.append(_fwd_bwd(lambda a, b, c, kw=kw, st=stats: fw.attention(
+            a, b, c, head_modes=MODES3, stats=st, backend="paper", **kw), q, k, v, do)
+                    + [stats.tied_rows, stats.max_logit])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert all(torch.isfinite(t).all() for t in runs[0][:4])
+
+
+@pytest.mark.parametrize("block_n", [16, 48])
+def test_reference_blocks_outside_the_window_are_skipped_without_changing_a_bit(block_n):
+    """Small key blocks so that most are skipped (window 20, 16 or 48 keys a block): the
+    same bits as the materialised mask, which computes every block."""
+    q, k, v = _qkv(shape=(1, 3, 150, 16))
+    modes = torch.tensor([int(m) for m in MODES3])
+    kw = dict(causal=True, scale=0.25, modes=modes, beta=2.0, eps=1e-3, block_n=block_n)
+    a = R.forward(q, k, v, window=20, **kw)
+    b = R.forward(q, k, v, attn_mask=_window_mask(150, 150, 20, True), **kw)
+    for name in ("o", "lse", "tied_rows", "max_logit"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_a_windowed_softcapped_masked_call_compiles_fullgraph_and_matches_eager():
+    """sliding_window (Optional[int]) goes through the torch.library op: no graph break,
+    the same bits; with softcap and a key-padding mask on top (all three compose)."""
+    q, k, v = _qkv(shape=(2, 2, 9, 16), dtype=torch.float32)
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., 6:] = False
+    kw = dict(attn_mask=mask, softcap=4.0, sliding_window=3, causal=True)
+    fn = torch.compile(lambda a, b, c: fw.attention(a, b, c, **kw), fullgraph=True,
+                       backend="eager")
+    want = fw.attention(q, k, v, **kw)
+    assert torch.equal(fn(q, k, v), want)
+    both = mask & _window_mask(9, 9, 3, True)
+    assert torch.equal(want, fw.attention(q, k, v, attn_mask=both, softcap=4.0))

@@ -60,6 +60,10 @@ BAD_CALLS = [
     (dict(attn_mask=[[True]]), TypeError, ["attn_mask", "list"]),
     (dict(softcap=0.0), ValueError, ["softcap", "None"]),
     (dict(softcap="50"), TypeError, ["softcap", "str"]),
+    (dict(sliding_window=0), ValueError, ["sliding_window", "got 0", "None"]),
+    (dict(sliding_window=-4), ValueError, ["sliding_window", "-4", ">= 1"]),
+    (dict(sliding_window=4.0), TypeError, ["sliding_window", "float", "4096"]),
+    (dict(sliding_window=True), TypeError, ["sliding_window", "bool"]),
     (dict(softcap=5.0, backend="paper"), ValueError, ["softcap", "paper", "reference"]),
 ]
 

@@ -278,3 +278,86 @@ def test_a_watched_softcapped_call_is_probed_with_its_softcap():
         assert rec.delta_error_rows == B * T  # 0 when the probe skipped softcapped calls
         assert rec.attention_max_logit == pytest.approx(float(want_max[h]), abs=2e-2)
         assert rec.attention_max_logit < cap
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", [1, 4, 100])
+def test_recompute_applies_the_sliding_window(causal, window):
+    """flashwatch.attention(sliding_window=): query t hides key j when t - j >= window
+    (Hugging Face's sliding_window_overlay), with causal or alone (later keys visible).
+    Nq = 30 > Nk = 20: with window 4, rows from 23 on see no key (O = 0, never tied)."""
+    g = torch.Generator().manual_seed(12)
+    B, H, Nq, Nk, D = 2, 2, 30, 20, 16
+    q = torch.randn(B, H, Nq, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, H, Nk, D, generator=g).bfloat16() for _ in range(2))
+    k[:, :, 3] = k[:, :, 5] = k[:, :, 9] = 3 * q[:, :, 6]  # row 6's max: 3-5 tied in
+    # every window >= 4; 3 and 9 tie in rows whose window holds both (not window 4)
+    elems, tq = probe.sample_rows(g, B, Nq, B * Nq)
+    b, t = probe.flat(elems, tq)
+    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal, scale=0.25,
+                                             eps=1e-3, sliding_window=window)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.25
+    i, j = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
+    hidden = (i - j >= window) | ((j > i) if causal else torch.zeros(Nq, Nk, dtype=torch.bool))
+    s = s.masked_fill(hidden, -math.inf)
+    empty = torch.isneginf(s.amax(-1, keepdim=True))
+    p = torch.softmax(s, -1).masked_fill(empty, 0.0)
+    assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
+    assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
+    assert torch.equal(torch.isneginf(row_max), _rows(empty[..., 0], b, t))
+    fin = torch.isfinite(row_max)
+    assert torch.allclose(row_max[fin].double(),
+                          _rows(s.amax(-1, keepdim=True), b, t)[..., 0][fin], atol=1e-5)
+    want_tied = ((s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2) & ~empty[..., 0]
+    assert torch.equal(tied, _rows(want_tied, b, t))
+    if window == 4:
+        assert empty.any() and want_tied.any()
+
+
+class _WindowedAttention(_SoftcappedAttention):
+    """A layer calling flashwatch.attention(sliding_window=) as Mistral would."""
+
+    def __init__(self, C=32, H=2, window=3):
+        super().__init__(C, H)
+        self.window = window
+
+    def forward(self, x):
+        import flashwatch as fw
+        q, k, v = self.heads(x)
+        o = fw.attention(q, k, v, causal=True, sliding_window=self.window)
+        return o.transpose(1, 2).reshape(x.shape)
+
+
+def test_a_watched_windowed_call_is_probed_with_its_window(monkeypatch):
+    """The probe's FP32 rows (from which each row's δ error is measured) are those of
+    the windowed attention, not of the full causal one (FP64 here)."""
+    import flashwatch as fw
+    torch.manual_seed(4)
+    B, T, C, H, window = 2, 12, 32, 2, 3
+    model = _WindowedAttention(C, H, window).bfloat16()
+    x = torch.randn(B, T, C).bfloat16()
+    seen = []
+    real = probe.recompute
+
+    def spy(q, k, v, elems, t, **kw):
+        out = real(q, k, v, elems, t, **kw)
+        seen.append((probe.flat(elems, t), out[0]))
+        return out
+
+    monkeypatch.setattr(probe, "recompute", spy)
+    w = fw.watch(model, sites={"": dict(num_heads=H, q_module="q_proj")}, every_n_steps=1,
+                 rows_per_head=4)
+    model(x).float().sum().backward()
+    report = w.step()
+    w.remove()
+    assert w.monitor_errors_total == 0 and len(seen) == 1
+    assert all(rec.delta_error_rows > 0 for rec in report.heads)
+    with torch.no_grad():
+        q, k, v = (t.double() for t in model.heads(x))
+    s = (q @ k.transpose(-1, -2)) * (C // H) ** -0.5
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    full = torch.softmax(s.masked_fill(j > i, -math.inf), -1) @ v
+    windowed = torch.softmax(s.masked_fill((j > i) | (i - j >= window), -math.inf), -1) @ v
+    (b, t), o32 = seen[0]
+    assert (o32.double() - _rows(windowed, b, t)).abs().max() < 2e-2
+    assert (o32.double() - _rows(full, b, t)).abs().max() > 0.1  # the window matters here

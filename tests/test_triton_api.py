@@ -13,7 +13,7 @@ import torch
 
 import flashwatch as fw
 from flashwatch.kernels import reference
-from tests._triton import DEVICE
+from tests._triton import DEVICE, assert_compiled_matches_eager
 
 
 def test_triton_rejects_float32_and_odd_head_dim():
@@ -64,18 +64,7 @@ def test_torch_compile_fullgraph(backend):
     compiled = torch.compile(step, fullgraph=True, backend=counter)
     for modes in ([0, 1, 2], [2, 0, 1]):
         m = torch.tensor(modes, dtype=torch.int32)
-        stats, stats_eager = fw.AttentionStats.zeros(3), fw.AttentionStats.zeros(3)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        leaves_e = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = compiled(*leaves, m, stats)
-        out.backward(do)
-        out_e = step(*leaves_e, m, stats_eager)
-        out_e.backward(do)
-        assert torch.equal(out, out_e)
-        for a, b in zip(leaves, leaves_e, strict=True):
-            assert torch.equal(a.grad, b.grad)
-        for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
-            assert torch.equal(getattr(stats, name), getattr(stats_eager, name)), name
+        assert_compiled_matches_eager(compiled, step, q, k, v, do, m)
     assert counter.frame_count == 1, "a head-mode change must not recompile"
 
 

@@ -1,7 +1,7 @@
 """attn_mask and softcap in the Triton kernels, forward and backward.
 
 Each case runs the Triton kernels and the reference backend through the same op on the
-same inputs and compares both with an FP64 oracle computed here (plain torch math):
+same inputs and compares both with an FP64 oracle (plain torch math, tests/_triton.py):
 
   2× rule   |triton - fp64|max ≤ 2·|reference - fp64|max + floor, for O, LSE, dq, dk, dv
   counters  tied_rows, guarded_rows and max_logit equal to the reference backend's
@@ -21,89 +21,10 @@ import torch
 
 import flashwatch as fw
 from flashwatch.dispatch import NotInKernel
-from tests._triton import ALL_MODES, DEVICE, count_dots, quantized, ta
+from tests._triton import ALL_MODES, DEVICE, B, H, check, count_dots, inputs, run, ta
 
-B, H = 2, 3
 # numpy inside the interpreter: 0/0 and log(0) in rows with no visible key (selected away)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def oracle(q, k, v, do, *, causal, scale, attn_mask=None, softcap=None, window=None):
-    """FP64 attention with autograd: scale·QKᵀ, cap·tanh(s/cap), then causal, window and
-    attn_mask hide keys (bool False → hidden, float → added). A row with no visible key
-    gives O = 0, LSE = +inf and zero gradients."""
-    q, k, v = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(s.shape[-2])[:, None]
-    j = torch.arange(s.shape[-1])[None, :]
-    hidden = (j > i) if causal else torch.zeros(s.shape[-2:], dtype=torch.bool)
-    if window is not None:
-        hidden = hidden | (j <= i - window)
-    if attn_mask is not None:
-        m = attn_mask.cpu()
-        if m.dtype == torch.bool:
-            hidden = hidden | ~m
-        else:
-            s = s + m.double()
-    s = s.masked_fill(hidden, -math.inf)
-    mx = s.amax(-1, keepdim=True).detach()
-    mx = torch.where(torch.isfinite(mx), mx, 0.0)
-    e = torch.exp(s - mx)
-    l = e.sum(-1, keepdim=True)
-    o = torch.matmul(e / torch.where(l == 0, 1.0, l), v)
-    lse = torch.where(l == 0, math.inf, mx + torch.log(l)).squeeze(-1)
-    o.backward(do.cpu().double())
-    return dict(o=o.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
-
-
-def run(backend, q, k, v, do, *, causal, scale, modes=ALL_MODES, **kw):
-    """One forward and backward through the op (LSE and counters included)."""
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    modes = torch.tensor(modes, dtype=torch.int32)
-    o, lse, _o32, tied, guarded, max_logit = torch.ops.flashwatch.attention_fwd(
-        *leaves, modes, causal, scale, 2.0, 1e-3, True, backend, **kw)
-    o.backward(do)
-    grads = [t.grad.cpu() for t in leaves]
-    return dict(o=o.detach().cpu(), lse=lse.cpu(), dq=grads[0], dk=grads[1], dv=grads[2],
-                tied=tied.cpu(), guarded=guarded.cpu(), max_logit=max_logit.cpu())
-
-
-def check(q, k, v, do, *, causal, scale, exact_max=True, **kw):
-    """Triton within 2× the reference's error against FP64; counters as the reference's.
-    Returns the Triton results."""
-    tri = run("triton", q, k, v, do, causal=causal, scale=scale, **kw)
-    ref = run("reference", q, k, v, do, causal=causal, scale=scale, **kw)
-    truth = oracle(q, k, v, do, causal=causal, scale=scale, **kw)
-    for name, t in truth.items():
-        a, r = tri[name].double(), ref[name].double()
-        assert not a.isnan().any(), f"{name}: NaN"
-        fin = torch.isfinite(t)
-        assert torch.equal(torch.isfinite(a), fin), f"{name}: non-finite where FP64 is not"
-        err = (a - t)[fin].abs().max().item()
-        err_ref = (r - t)[fin].abs().max().item()
-        floor = 1e-6 * max(1.0, t[fin].abs().max().item())
-        assert err <= 2 * err_ref + floor, (
-            f"{name}: |triton - fp64| = {err:.3g} > 2·|reference - fp64| = 2·{err_ref:.3g}")
-    assert torch.equal(tri["tied"], ref["tied"]), (tri["tied"], ref["tied"])
-    assert torch.equal(tri["guarded"], ref["guarded"])
-    if exact_max:
-        assert torch.equal(tri["max_logit"], ref["max_logit"])
-    else:  # tanh is not correctly rounded (torch's nor the kernel's): a few FP32 ulps
-        torch.testing.assert_close(tri["max_logit"], ref["max_logit"], rtol=2e-7, atol=0)
-    return tri
-
-
-def inputs(nq, nk, d, dtype, seed, scale_v=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    q = quantized(B, H, nq, d, gen=gen, dtype=dtype)
-    k = quantized(B, H, nk, d, gen=gen, dtype=dtype)
-    third = nk // 3
-    k[:, :, nk - third:] = k[:, :, :third]  # ties across blocks: BETA shifts mid-row
-    v = (scale_v * torch.randn(B, H, nk, d, generator=gen)).to(dtype).to(DEVICE)
-    do = torch.randn(B, H, nq, d, generator=gen).to(dtype).to(DEVICE)
-    return q, k, v, do
 
 
 # ---------------------------------------------------------------------------------

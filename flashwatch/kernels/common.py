@@ -176,8 +176,23 @@ def check_mask(attn_mask, q: torch.Tensor, k: torch.Tensor) -> None:
                          f"with attn_mask.to(q.device)")
 
 
+def check_window(sliding_window) -> None:
+    """sliding_window: None, or a positive int (key j is visible to query i only if
+    i - j < sliding_window, as Mistral's and Gemma2's configs give it)."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window must be a positive int or None, got "
+                        f"{type(sliding_window).__name__} ({sliding_window!r}); pass the "
+                        f"model config's sliding_window, e.g. 4096")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int (query i sees key j only "
+                         f"if i - j < sliding_window), got {sliding_window}; pass None for "
+                         f"no window or a value >= 1")
+
+
 def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_mask=None,
-                 softcap=None):
+                 softcap=None, sliding_window=None):
     """Validate a call to any attention backend.
 
     Returns (scale, head_modes) normalized: scale as float, head_modes as an int32 CPU
@@ -242,6 +257,7 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_m
         _check_number("softcap", softcap, greater_than=0.0,
                       hint="pass None for no softcapping (Gemma2 uses 50.0)")
     check_mask(attn_mask, q, k)
+    check_window(sliding_window)
     if stats is not None:
         if not isinstance(stats, AttentionStats):
             raise TypeError(
@@ -254,6 +270,32 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_m
                 f"AttentionStats.zeros({q.shape[1]})"
             )
     return scale, normalize_head_modes(head_modes, q.shape[1])
+
+
+def hidden_keys(q0: int, q1: int, k0: int, k1: int, causal: bool, window, device):
+    """Bool [q1 - q0, k1 - k0], True where query i (q0 <= i < q1) may not see key j:
+    causal hides j > i (top-left aligned, as SDPA's is_causal), the sliding window hides
+    i - j >= window (Hugging Face's sliding_window_overlay: kv_idx > q_idx - window is
+    visible). None when nothing in the tile is hidden."""
+    causal = causal and k1 - 1 > q0  # a tile left of the diagonal: nothing to hide
+    if window is not None and q1 - 1 - k0 < window:
+        window = None  # every key of the tile is inside every row's window
+    if not causal and window is None:
+        return None
+    rows = torch.arange(q0, q1, device=device).unsqueeze(1)
+    cols = torch.arange(k0, k1, device=device).unsqueeze(0)
+    hide = cols > rows if causal else None
+    if window is not None:
+        far = rows - cols >= window
+        hide = far if hide is None else hide | far
+    return hide
+
+
+def key_range(q0: int, q1: int, nk: int, causal: bool, window) -> tuple[int, int]:
+    """[first, end) of the keys any query row in [q0, q1) can see: causal hides keys
+    >= q1, the window keys <= q0 - window. Keys outside hide for every row."""
+    first = 0 if window is None else max(0, q0 - window + 1)
+    return first, min(nk, q1) if causal else nk
 
 
 def update_ties(m_old, cnt_old, s, m_new, eps):

@@ -2,17 +2,20 @@
 
     torch.ops.flashwatch.attention_fwd(q, k, v, modes, causal, scale, beta, eps,
                                        want_stats, backend, keep_o32=False,
-                                       attn_mask=None, softcap=None)
+                                       attn_mask=None, softcap=None,
+                                       sliding_window=None)
         -> (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H])
     torch.ops.flashwatch.attention_bwd(do, q, k, v, o, o32, lse, modes, causal, scale,
                                        backend, attn_mask=None, softcap=None,
-                                       mask_grad=False) -> (dq, dk, dv, dmask)
+                                       mask_grad=False, sliding_window=None)
+        -> (dq, dk, dv, dmask)
 
 attn_mask (bool or additive float, broadcastable to [B, H, Nq, Nk]) and softcap run on
-every backend (softcap: not "paper"); the Triton kernels read the mask through its
-broadcast strides, never materialised. A float mask that requires grad gets one on the
-reference backend: attention_bwd(..., mask_grad=True) returns it as a 4th output (empty
-otherwise); "triton" and "paper" refuse it (`flashwatch.attention` before calling).
+every backend (softcap: not "paper"), and so does sliding_window (an int); the Triton
+kernels read the mask through its broadcast strides, never materialised. A float mask
+that requires grad gets one on the reference backend: attention_bwd(..., mask_grad=True)
+returns it as a 4th output (empty otherwise); "triton" and "paper" refuse it
+(`flashwatch.attention` before calling).
 
 `backend` is "triton" (flashwatch/kernels/triton_attention.py: CUDA, or CPU under
 TRITON_INTERPRET=1), "reference" (flashwatch/kernels/reference.py, any device) or "paper"
@@ -70,7 +73,7 @@ def _like(t: torch.Tensor, layout_of: torch.Tensor) -> torch.Tensor:
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor,
                   causal: bool, scale: float, beta: float, eps: float, want_stats: bool,
                   backend: str, keep_o32: bool = False, attn_mask: torch.Tensor | None = None,
-                  softcap: float | None = None
+                  softcap: float | None = None, sliding_window: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor]:
     _check_backend(backend)
@@ -82,10 +85,11 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
         return triton_attention.forward(q, k, v, modes, causal=causal, scale=scale,
                                         beta=beta, eps=eps, want_stats=want_stats,
                                         keep_o32=keep_o32, attn_mask=attn_mask,
-                                        softcap=softcap)
+                                        softcap=softcap, window=sliding_window)
     res = reference.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta,
                             eps=eps, want_ties=want_stats, arithmetic=_arithmetic(backend),
-                            keep_o32=keep_o32, attn_mask=attn_mask, softcap=softcap)
+                            keep_o32=keep_o32, attn_mask=attn_mask, softcap=softcap,
+                            window=sliding_window)
     if res.o32 is None:
         o32 = torch.empty(0, B, Nq, D, dtype=torch.float32, device=q.device)
     else:
@@ -95,7 +99,7 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torc
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, modes, causal, scale, beta, eps, want_stats, backend,
-                        keep_o32=False, attn_mask=None, softcap=None):
+                        keep_o32=False, attn_mask=None, softcap=None, sliding_window=None):
     B, H, Nq, D = q.shape
     n32 = torch.library.get_ctx().new_dynamic_size()
     return (empty_out(q),
@@ -111,7 +115,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   o: torch.Tensor, o32: torch.Tensor, lse: torch.Tensor, modes: torch.Tensor,
                   causal: bool, scale: float, backend: str,
                   attn_mask: torch.Tensor | None = None, softcap: float | None = None,
-                  mask_grad: bool = False
+                  mask_grad: bool = False, sliding_window: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_backend(backend)
     modes = _host_modes(modes, q.shape[1])
@@ -125,7 +129,8 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
         return (*triton_attention.backward(do, q, k, v, o, o32, lse, modes, causal=causal,
                                            scale=scale, attn_mask=attn_mask,
-                                           softcap=softcap), q.new_empty(0))
+                                           softcap=softcap, window=sliding_window),
+                q.new_empty(0))
     if o32.shape[0] == q.shape[1]:  # keep_o32: every head's FP32 O; δ wants FP32_O heads'
         o32 = o32[(modes == int(Mode.FP32_O)).to(o32.device)]
     o32_bh = o32.permute(1, 0, 2, 3) if o32.shape[0] else None
@@ -133,27 +138,29 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     dq, dk, dv, _ = reference.backward(do, q, k, v, o, o32_bh, lse, causal=causal,
                                        scale=scale, modes=modes,
                                        arithmetic=_arithmetic(backend),
-                                       attn_mask=attn_mask, softcap=softcap, dmask_out=dmask)
+                                       attn_mask=attn_mask, softcap=softcap, dmask_out=dmask,
+                                       window=sliding_window)
     dmask = dmask[0].contiguous() if dmask else q.new_empty(0)
     return _like(dq, q), _like(dk, k), _like(dv, v), dmask
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(do, q, k, v, o, o32, lse, modes, causal, scale, backend,
-                        attn_mask=None, softcap=None, mask_grad=False):
+                        attn_mask=None, softcap=None, mask_grad=False, sliding_window=None):
     dmask = attn_mask.new_empty(attn_mask.shape) if mask_grad else q.new_empty(0)
     return empty_out(q), empty_out(k), empty_out(v), dmask
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, modes, causal, scale, _beta, _eps, _want_stats, backend, _keep, attn_mask,
-     softcap) = inputs
+     softcap, window) = inputs
     o, lse, o32, _tied, _guarded, max_logit = output
     # Side outputs carry no gradient; without this, copying max_logit into an
     # AttentionStats would pull the stats tensor into the autograd graph.
     ctx.mark_non_differentiable(lse, o32, max_logit)
     ctx.save_for_backward(q, k, v, o, lse, o32, modes, attn_mask)
     ctx.causal, ctx.scale, ctx.backend, ctx.softcap = causal, scale, backend, softcap
+    ctx.window = window
     # A float mask that requires grad (a learned bias, e.g. T5's) gets dS summed to its
     # shape (reference only: the paper arithmetic refuses in its backward).
     ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
@@ -166,9 +173,9 @@ def _backward(ctx, do, _dlse, _do32, _dtied, _dguarded, _dmax):
     q, k, v, o, lse, o32, modes, attn_mask = ctx.saved_tensors
     dq, dk, dv, dmask = attention_bwd(do, q, k, v, o, o32, lse, modes, ctx.causal,
                                       ctx.scale, ctx.backend, attn_mask, ctx.softcap,
-                                      ctx.mask_grad)
+                                      ctx.mask_grad, ctx.window)
     dmask = dmask if ctx.mask_grad else None
-    return dq, dk, dv, None, None, None, None, None, None, None, None, dmask, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dmask, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -47,9 +47,10 @@ STANDARD except δ = rowsum(dO ∘ O32) in FP32 and dS = (P·scale)·(dP - δ) f
 (dP - δ cancels in near one-hot rows; rounding δ to BF16 first would add back an
 error of the size being removed) and rounded once to BF16 for the two matmuls.
 
-attn_mask (an extension: their code takes none): hidden scores are set as their
-causal mask sets them (-finfo.max forward, -inf backward); a float mask is added in the
-input dtype (its -inf entries hide). A row with no visible key gets O = 0, LSE = +inf.
+attn_mask and sliding_window (extensions: their code takes neither): hidden scores are
+set as their causal mask sets them (-finfo.max forward, -inf backward), and every block
+is still computed (their loop skips none); a float mask is added in the input dtype (its
+-inf entries hide). A row with no visible key gets O = 0, LSE = +inf.
 No softcap here (their code has none).
 
 Counters: tied_rows counts rows whose max over the whole row (visible keys) has ≥ 2
@@ -64,7 +65,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common import Mode, no_autocast, update_ties
+from .common import Mode, hidden_keys, no_autocast, update_ties
 
 BLOCK = 512  # their model calls the Function with 512-query chunks and 512-key blocks
 SUM_FLOOR = 1e-10  # their floor on each block's row sum (before it enters l)
@@ -81,20 +82,16 @@ class PaperForward(NamedTuple):
     o_unnormalized: torch.Tensor | None  # debug: [B, H, Nq, D] acc before dividing by l
 
 
-def _hidden(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
-    # Causal, top-left aligned like SDPA: key j is hidden from query i iff j > i. (Their
-    # code aligns bottom-right when Nk > Nq; with Nq = Nk, their only use, it is the same.)
-    rows = torch.arange(q0, q1, device=device).unsqueeze(1)
-    return torch.arange(k0, k1, device=device).unsqueeze(0) > rows
-
-
-def _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, fill):
+def _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, fill, window=None):
     """Their S = (Q Kᵀ)·scale in the input dtype with hidden scores set to `fill`
-    (-finfo.max in their forward, -inf in their backward). attn_mask (an extension: their
-    code takes none): bool False hides, a float mask is added in the input dtype and its
-    -inf entries hide. Returns (S, hidden [.., n, m] bool or None)."""
+    (-finfo.max in their forward, -inf in their backward). Causal is top-left aligned
+    like SDPA (their code aligns bottom-right when Nk > Nq; with Nq = Nk, their only use,
+    it is the same). attn_mask and the sliding window (extensions: their code takes
+    neither): the window hides like their causal mask; bool False hides, a float mask is
+    added in the input dtype and its -inf entries hide. Returns (S, hidden [.., n, m]
+    bool or None)."""
     s = torch.matmul(qc, kb.transpose(-1, -2)) * scale
-    hide = _hidden(q0, q1, k0, k1, qc.device) if causal else None
+    hide = hidden_keys(q0, q1, k0, k1, causal, window, qc.device)
     if mask is not None:
         mb = mask[:, :, q0:q1, k0:k1]
         if mb.dtype != torch.bool:
@@ -111,21 +108,22 @@ def _fp32_heads(modes: torch.Tensor) -> list[int]:
 
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, want_ties=True,
-            debug=False, keep_o32=False, attn_mask=None) -> PaperForward:
+            debug=False, keep_o32=False, attn_mask=None, window=None) -> PaperForward:
     """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
     keep_o32: o32 holds every head's FP32 O (the same P̄ and α accumulated in FP32, as for
     FP32_O heads), for the δ error on every row; O, LSE and the counters are unchanged.
-    attn_mask: as SDPA's; a row with no visible key gets O = 0 and LSE = +inf."""
+    attn_mask: as SDPA's; a row with no visible key gets O = 0 and LSE = +inf.
+    window: the sliding window (`flashwatch.attention(sliding_window=)`), or None."""
     with no_autocast(q.device):
         mask = None
         if attn_mask is not None:
             mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
         return _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32,
-                        mask)
+                        mask, window)
 
 
 def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False,
-             mask=None):
+             mask=None, window=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -159,7 +157,7 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
         for k0 in range(0, Nk, BLOCK):
             k1 = min(k0 + BLOCK, Nk)
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s, hide = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, masked)
+            s, hide = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, masked, window)
             m_raw = s.amax(-1, keepdim=True)
             m_blk = m_raw
             if any_beta:
@@ -183,11 +181,12 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
 
             # Causal alone: every row sees key 0, so the block maxima (before the tie
             # rule) give the largest visible score (a hidden block's -finfo.max never
-            # wins). An attn_mask can hide a whole row: then the visible scores' max.
-            if mask is None:
+            # wins). An attn_mask or a window can hide a whole block of a row (or the
+            # row): then the visible scores' max.
+            if mask is None and window is None:
                 mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
             s32 = s.float() if hide is None else s.float().masked_fill(hide, -math.inf)
-            if mask is not None:
+            if mask is not None or window is not None:
                 mx_new = torch.maximum(mx, s32.amax(-1))
             if want_ties:
                 cnt = update_ties(mx, cnt, s32, mx_new, eps)
@@ -209,19 +208,20 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
     return PaperForward(o, lse, o32, tied_rows, max_logit, B * Nq, pbar_max, o_unnorm)
 
 
-def backward(do, q, k, v, o, lse, o32, *, causal, scale, modes, attn_mask=None):
+def backward(do, q, k, v, o, lse, o32, *, causal, scale, modes, attn_mask=None,
+             window=None):
     """Backward pass. lse: [B, H, Nq] as the forward returned it (any float dtype holding
-    its values). o32: [B, H32, Nq, D] for the FP32_O heads or None. attn_mask: the
-    forward's. Returns (dq, dk, dv, delta): gradients in the input dtype, δ [B, H, Nq]
+    its values). o32: [B, H32, Nq, D] for the FP32_O heads or None. attn_mask, window:
+    the forward's. Returns (dq, dk, dv, delta): gradients in the input dtype, δ [B, H, Nq]
     in FP32."""
     with no_autocast(q.device):
         mask = None
         if attn_mask is not None:
             mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        return _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask)
+        return _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask, window)
 
 
-def _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask=None):
+def _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask=None, window=None):
     Nq, Nk = q.shape[2], k.shape[2]
     dt, dev = q.dtype, q.device
     do = do.to(dt)
@@ -244,7 +244,7 @@ def _backward(do, q, k, v, o, lse, o32, causal, scale, modes, mask=None):
         for k0 in range(0, Nk, BLOCK):
             k1 = min(k0 + BLOCK, Nk)
             kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s, _ = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, -math.inf)
+            s, _ = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, -math.inf, window)
             p = torch.exp(s - lse_c)
             dv[:, :, k0:k1] += torch.matmul(p.transpose(-1, -2), doc)
             dp = torch.matmul(doc, vb.transpose(-1, -2))

@@ -7,11 +7,13 @@ Semantics (docs/design.md §4), `arithmetic="fused"` (what a FlashAttention-2 ke
   δ = rowsum(dO ∘ O) in FP32; P and dS are cast to the input dtype before their
   matmuls, as a fused backward kernel does.
 
-Masks and softcap (`attention(attn_mask=, softcap=)`): each block's scores are
-  s = scale·QKᵀ, then s = cap·tanh(s/cap) (Gemma2), then causal and attn_mask hide
-  scores with -inf (a float mask is added: its -inf hides, finite values bias). Hidden
-  scores never count as ties or max logit (`common.update_ties`); a row with no visible
-  key gives O = 0 and LSE = +inf (`_finalize`), so its backward P and gradients are 0.
+Masks and softcap (`attention(attn_mask=, softcap=, sliding_window=)`): each block's
+  scores are s = scale·QKᵀ, then s = cap·tanh(s/cap) (Gemma2), then causal, the sliding
+  window (i - j >= window hidden) and attn_mask hide scores with -inf (a float mask is
+  added: its -inf hides, finite values bias). Key blocks hidden for every row of a
+  query chunk (causal, window) are skipped. Hidden scores never count as ties or max
+  logit (`common.update_ties`); a row with no visible key gives O = 0 and LSE = +inf
+  (`_finalize`), so its backward P and gradients are 0.
 
 `arithmetic="paper"` runs flashwatch/kernels/paper.py (the arithmetic of the paper's public
 implementation, forward and backward); `forward` and `backward` only forward to it, so
@@ -43,6 +45,8 @@ from .common import (
     AttentionStats,
     Mode,
     check_inputs,
+    hidden_keys,
+    key_range,
     no_autocast,
     update_ties,
 )
@@ -83,26 +87,19 @@ def beta_excess(m: torch.Tensor, beta: float, guard: float) -> tuple[torch.Tenso
     return excess, guarded
 
 
-def _causal_mask(q0: int, q1: int, k0: int, k1: int, device) -> torch.Tensor:
-    # Top-left alignment, like scaled_dot_product_attention(is_causal=True): key j is
-    # visible to query i iff j <= i.
-    rows = torch.arange(q0, q1, device=device).unsqueeze(1)
-    cols = torch.arange(k0, k1, device=device).unsqueeze(0)
-    return cols > rows
-
-
-def _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask):
+def _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask, window=None):
     """The FP32 scores of query rows q0:q1 against keys k0:k1, as the softmax sees them:
-    s = scale·QKᵀ, then Gemma2's softcap s = cap·tanh(s/cap), then the masks (causal;
-    attn_mask: bool False → -inf, float added). Returns (s, tanh) with tanh = None
-    without softcap (the backward's chain rule needs it)."""
+    s = scale·QKᵀ, then Gemma2's softcap s = cap·tanh(s/cap), then the masks (causal and
+    the sliding window: -inf; attn_mask: bool False → -inf, float added). Returns
+    (s, tanh) with tanh = None without softcap (the backward's chain rule needs it)."""
     s = torch.matmul(qc, kb.transpose(-1, -2)).mul_(scale)
     t = None
     if softcap is not None:
         t = torch.tanh(s / softcap)
         s = t * softcap
-    if causal and k1 - 1 > q0:
-        s.masked_fill_(_causal_mask(q0, q1, k0, k1, qc.device), -math.inf)
+    hide = hidden_keys(q0, q1, k0, k1, causal, window, qc.device)
+    if hide is not None:
+        s.masked_fill_(hide, -math.inf)
     if mask is not None:
         m = mask[:, :, q0:q1, k0:k1]
         s = s.masked_fill_(~m, -math.inf) if m.dtype == torch.bool else s.add_(m.float())
@@ -134,7 +131,7 @@ def _finalize(acc, l, shift):
 
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                    block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False, attn_mask=None,
-                   softcap=None) -> ForwardResult:
+                   softcap=None, window=None) -> ForwardResult:
     B, H, Nq, D = q.shape
     mask = _full_mask(attn_mask, q, k)
     Nk = k.shape[2]
@@ -168,11 +165,13 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
         l = torch.zeros(shape, device=dev)
         acc = torch.zeros(*shape, D, device=dev)
         pmax = torch.zeros(shape, device=dev) if debug else None
-        k_end = min(Nk, q1) if causal else Nk  # later keys are masked for every row here
-        for k0 in range(0, k_end, block_n):
+        # Keys outside [k_first, k_end) are hidden for every row here: skipped blocks
+        # would add exactly 0 (P = 0, alpha = 1), so skipping them changes no bit.
+        k_first, k_end = key_range(q0, q1, Nk, causal, window)
+        for k0 in range(k_first - k_first % block_n, k_end, block_n):
             k1 = min(k0 + block_n, k_end)
             s, _ = _block_scores(qc, k[:, :, k0:k1].float(), q0, q1, k0, k1, causal, scale,
-                                 softcap, mask)
+                                 softcap, mask, window)
             m_new = torch.maximum(m, s.amax(-1))
             if track:
                 cnt = update_ties(m, cnt, s, m_new, eps)
@@ -211,21 +210,22 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
 def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
             want_ties=True, debug=False, block_n=None, keep_o32=False, attn_mask=None,
-            softcap=None) -> ForwardResult:
+            softcap=None, window=None) -> ForwardResult:
     """Forward pass on validated inputs. `modes` is an int tensor [H] of Mode values.
     keep_o32 (fused only): o32 holds every head's FP32 O, not only the FP32_O heads'.
-    attn_mask, softcap: as `attention` (softcap: fused arithmetic only)."""
+    attn_mask, softcap, window (sliding_window): as `attention` (softcap: fused
+    arithmetic only)."""
     with no_autocast(q.device):
         if arithmetic == "fused":
             return _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                                   block_n=block_n or BLOCK_N, keep_o32=keep_o32,
-                                  attn_mask=attn_mask, softcap=softcap)
+                                  attn_mask=attn_mask, softcap=softcap, window=window)
     if softcap is not None:
         raise ValueError(f"softcap={softcap} is not supported by the paper arithmetic (the "
                          f"paper's code has no softcapping); use backend='reference'")
     res = paper.forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
                         want_ties=want_ties, debug=debug, keep_o32=keep_o32,
-                        attn_mask=attn_mask)
+                        attn_mask=attn_mask, window=window)
     H = q.shape[1]
     return ForwardResult(res.o, res.lse.float(), res.o32, res.tied_rows,
                          torch.zeros(H, dtype=torch.int64, device=q.device), res.max_logit,
@@ -234,10 +234,10 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, arithmetic="fused",
 
 def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, arithmetic="fused",
              block_n=BLOCK_N, block_m=BLOCK_M, attn_mask=None, softcap=None,
-             dmask_out: list | None = None):
+             dmask_out: list | None = None, window=None):
     """FlashAttention-2 backward. Returns (dq, dk, dv, delta); delta is the δ used.
     o32: [B, H32, Nq, D] for the FP32_O heads or None. arithmetic as in `forward` (block_n
-    and block_m apply to "fused" only). attn_mask, softcap: those of the forward.
+    and block_m apply to "fused" only). attn_mask, softcap, window: those of the forward.
     dmask_out ("fused", a float attn_mask): a list that receives the mask's gradient, in
     its shape and dtype (a bias such as T5's is learned); costs an FP32 [B, H, Nq, Nk]."""
     if arithmetic == "paper":
@@ -245,20 +245,20 @@ def backward(do, q, k, v, o, o32, lse, *, causal, scale, modes, arithmetic="fuse
             raise ValueError("the paper arithmetic gives attn_mask no gradient; use the "
                              "fused arithmetic (backend='reference') or detach the mask")
         return paper.backward(do, q, k, v, o, lse, o32, causal=causal, scale=scale,
-                              modes=modes, attn_mask=attn_mask)
+                              modes=modes, attn_mask=attn_mask, window=window)
     dm = None
     if dmask_out is not None:
         dm = torch.zeros(q.shape[0], q.shape[1], q.shape[2], k.shape[2], device=q.device)
     with no_autocast(q.device):
         res = _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m,
-                        _full_mask(attn_mask, q, k), softcap, dm)
+                        _full_mask(attn_mask, q, k), softcap, dm, window)
     if dm is not None:  # the broadcast dims summed back to the mask's own shape
         dmask_out.append(dm.sum_to_size(attn_mask.shape).to(attn_mask.dtype))
     return res
 
 
 def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m, mask,
-              softcap, dm=None):
+              softcap, dm=None, window=None):
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     dt, dev = q.dtype, q.device
@@ -280,11 +280,12 @@ def _backward(do, q, k, v, o, o32, lse, causal, scale, modes, block_n, block_m, 
         qc, doc = q[:, :, q0:q1].float(), do32[:, :, q0:q1]
         lse_c = lse[:, :, q0:q1].unsqueeze(-1)
         delta_c = delta[:, :, q0:q1].unsqueeze(-1)
-        k_end = min(Nk, q1) if causal else Nk
-        for k0 in range(0, k_end, block_n):
+        k_first, k_end = key_range(q0, q1, Nk, causal, window)
+        for k0 in range(k_first - k_first % block_n, k_end, block_n):
             k1 = min(k0 + block_n, k_end)
             kb, vb = k32[:, :, k0:k1], v32[:, :, k0:k1]
-            s, t = _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask)
+            s, t = _block_scores(qc, kb, q0, q1, k0, k1, causal, scale, softcap, mask,
+                                 window)
             p = torch.exp(s.sub_(lse_c))  # 0 where masked; rows with no visible key: LSE=+inf
             dv[:, :, k0:k1] += torch.matmul(lo(p).transpose(-1, -2), doc)
             dp = torch.matmul(doc, vb.transpose(-1, -2))
@@ -304,16 +305,16 @@ class ReferenceAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, modes, beta, eps, arithmetic, stats, attn_mask,
-                softcap):
+                softcap, window):
         res = forward(q, k, v, causal=causal, scale=scale, modes=modes, beta=beta, eps=eps,
                       arithmetic=arithmetic, want_ties=stats is not None, attn_mask=attn_mask,
-                      softcap=softcap)
+                      softcap=softcap, window=window)
         if stats is not None:
             stats.add_(res.tied_rows, res.rows, res.guarded_rows, res.max_logit)
         ctx.save_for_backward(q, k, v, res.o, res.lse, res.o32)
         ctx.mask_grad = attn_mask is not None and attn_mask.requires_grad
         ctx.causal, ctx.scale, ctx.modes, ctx.arithmetic = causal, scale, modes, arithmetic
-        ctx.attn_mask, ctx.softcap = attn_mask, softcap
+        ctx.attn_mask, ctx.softcap, ctx.window = attn_mask, softcap, window
         return res.o
 
     @staticmethod
@@ -323,27 +324,27 @@ class ReferenceAttention(torch.autograd.Function):
         dq, dk, dv, _ = backward(do, q, k, v, o, o32, lse, causal=ctx.causal, scale=ctx.scale,
                                  modes=ctx.modes, arithmetic=ctx.arithmetic,
                                  attn_mask=ctx.attn_mask, softcap=ctx.softcap,
-                                 dmask_out=dmask)
+                                 dmask_out=dmask, window=ctx.window)
         dmask = dmask[0] if dmask else None
-        return dq, dk, dv, None, None, None, None, None, None, None, dmask, None
+        return dq, dk, dv, None, None, None, None, None, None, None, dmask, None, None
 
 
 def attention(q, k, v, *, causal=False, scale=None, head_modes=None, beta=2.0, eps=1e-3,
               stats: AttentionStats | None = None, arithmetic: str = "fused",
-              attn_mask=None, softcap=None) -> torch.Tensor:
+              attn_mask=None, softcap=None, sliding_window=None) -> torch.Tensor:
     """softmax(scale·QKᵀ)V with per-head modes and counters, in pure PyTorch.
 
     q, k, v: [B, H, N, D] (bf16, fp16 or fp32, one dtype and device). causal masks key j
     for query i when j > i (top-left, like SDPA). head_modes: [H] of Mode (None: all
     STANDARD). stats: an AttentionStats to accumulate into. arithmetic: "fused" (a
     FlashAttention-2 kernel's arithmetic) or "paper" (the paper's BF16 implementation).
-    attn_mask, softcap: as `flashwatch.attention` (docs/attention.md).
+    attn_mask, softcap, sliding_window: as `flashwatch.attention` (docs/attention.md).
     """
     scale, modes = check_inputs(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                                 beta=beta, eps=eps, stats=stats, attn_mask=attn_mask,
-                                softcap=softcap)
+                                softcap=softcap, sliding_window=sliding_window)
     if arithmetic not in ARITHMETICS:
         raise ValueError(f"arithmetic must be one of {ARITHMETICS}, got {arithmetic!r}")
     softcap = None if softcap is None else float(softcap)
     return ReferenceAttention.apply(q, k, v, causal, scale, modes, float(beta), float(eps),
-                                    arithmetic, stats, attn_mask, softcap)
+                                    arithmetic, stats, attn_mask, softcap, sliding_window)

@@ -130,6 +130,12 @@ def _cap(softcap) -> float:
     return 1.0 if softcap is None else float(softcap)  # unread unless SOFTCAP
 
 
+def _window(window, nq: int) -> int:
+    """The window as the kernels take it (unread unless SLIDING). A window >= Nq hides
+    nothing (i - j <= Nq - 1), so it is clamped to Nq: an int32 whatever the caller's."""
+    return nq if window is None else min(int(window), nq)
+
+
 def _mask_args(attn_mask, q, k, dummy: torch.Tensor):
     """(pointer tensor, its 4 strides, MASK_KIND) for the kernels. The mask is a broadcast
     view [B, H, Nq, Nk] (stride 0 on broadcast dims), never materialised; a bool mask is
@@ -143,14 +149,16 @@ def _mask_args(attn_mask, q, k, dummy: torch.Tensor):
 
 
 def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: float,
-            want_stats: bool, keep_o32: bool = False, attn_mask=None, softcap=None):
+            want_stats: bool, keep_o32: bool = False, attn_mask=None, softcap=None,
+            window=None):
     """Returns (o, lse, o32, tied_rows[H], guarded_rows[H], max_logit[H]).
 
     o is in q's layout (`common.empty_out`), lse [B, H, Nq] fp32 in nats. o32 is
     [H32, B, Nq, D] fp32 for the FP32_O heads in head order (H32 may be 0), or for every
     head with keep_o32. Counters are zeros / -inf when want_stats is False.
-    attn_mask (bool or float, broadcastable to [B, H, Nq, Nk]) and softcap as the
-    reference takes them: validated by the caller (`common.check_inputs`).
+    attn_mask (bool or float, broadcastable to [B, H, Nq, Nk]), softcap and window (the
+    sliding window, an int or None) as the reference takes them: validated by the
+    caller (`common.check_inputs`).
     """
     check_usable(q)
     o = empty_out(q)
@@ -178,9 +186,9 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
         scale, scale * math.log2(math.e), _cap(softcap), beta - 1.0, eps,
         GUARD_NATS[q.dtype], MIN_EXCESS,
         *_strides(q), *_strides(k), *_strides(v), *_strides(o), *mask_strides,
-        B, H, Nq, Nk, n_mblk, tuning.bucket(Nq), tuning.bucket(Nk),
-        D=D, CAUSAL=causal, STATS=want_stats, MASK_KIND=mask_kind,
-        SOFTCAP=softcap is not None, INTERPRET=INTERPRET)
+        B, H, Nq, Nk, n_mblk, tuning.bucket(Nq), tuning.bucket(Nk), _window(window, Nq),
+        D=D, CAUSAL=causal, SLIDING=window is not None, STATS=want_stats,
+        MASK_KIND=mask_kind, SOFTCAP=softcap is not None, INTERPRET=INTERPRET)
     if want_stats:
         cnt = st_cnt.view(B, H, n_mblk, 2)
         tied = cnt[..., 0].sum((0, 2), dtype=torch.int64)
@@ -194,12 +202,12 @@ def forward(q, k, v, modes, *, causal: bool, scale: float, beta: float, eps: flo
 
 
 def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float,
-             attn_mask=None, softcap=None):
+             attn_mask=None, softcap=None, window=None):
     """Returns (dq, dk, dv) in the input dtype and the layouts of q, k, v.
 
     o32 holds the FP32_O heads' FP32 O ([H32, B, Nq, D], as `forward` returns it) or every
     head's (keep_o32); δ reads the FP32_O heads' rows from it in place. do and o may have
-    any strides with a contiguous last dim. attn_mask, softcap: the forward's (the mask
+    any strides with a contiguous last dim. attn_mask, softcap, window: the forward's (the mask
     gets no gradient here; the caller refuses a mask that requires one).
     """
     check_usable(q)
@@ -224,8 +232,9 @@ def backward(do, q, k, v, o, o32, lse, modes, *, causal: bool, scale: float,
         q, k, v, do, lse, delta, dq32, dk, dv, mask, scale, scale * math.log2(math.e),
         _cap(softcap), *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), *mask_strides, H, Nq, Nk, tuning.bucket(Nq),
-        tuning.bucket(Nk), D=D, CAUSAL=causal, MASK_KIND=mask_kind,
-        SOFTCAP=softcap is not None, INTERPRET=INTERPRET)
+        tuning.bucket(Nk), _window(window, Nq), D=D, CAUSAL=causal,
+        SLIDING=window is not None, MASK_KIND=mask_kind, SOFTCAP=softcap is not None,
+        INTERPRET=INTERPRET)
     _bwd_dq_out[rows](dq32, dq, scale, *_strides(dq), H, Nq, D=D, BLOCK_M=_PREP_BLOCK_M,
                       INTERPRET=INTERPRET)
     return dq, dk, dv

@@ -6,9 +6,11 @@
                  added into the FP32 buffer with atomics
   `_bwd_dq_out`  dQ = scale·dQ32 rounded to the input dtype, in q's layout
 
-attn_mask and softcap as in the forward (constexprs MASK_KIND and SOFTCAP, `_scores`):
-the tile is recomputed as the forward saw it, and dS goes through the cap's
-1 - tanh² before its matmuls; still five matmuls per block pair.
+attn_mask, softcap and the sliding window as in the forward (constexprs MASK_KIND,
+SOFTCAP, SLIDING; `_scores`): the tile is recomputed as the forward saw it, and dS goes
+through the cap's 1 - tanh² before its matmuls; still five matmuls per block pair, and
+no work on the query blocks that see none of the key block (`_bwd_bounds`: causal, or
+every key outside their window).
 """
 
 import triton
@@ -16,6 +18,7 @@ import triton.language as tl
 
 from .triton_helpers import (
     _bh_offset,
+    _bwd_bounds,
     _dot,
     _lo,
     _p_from_lse,
@@ -55,9 +58,9 @@ def _bwd_prep(O, O32, DO, DELTA, DQ32, HEADS,
 @triton.jit
 def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, mask_base,
                stride_qm, stride_dom, stride_mm, stride_mn, offs_n, lo, hi, N_Q, N_K,
-               sm_scale, qk_scale, cap, D: tl.constexpr, BLOCK_M: tl.constexpr,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-               SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+               sm_scale, qk_scale, cap, window, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+               MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """Query blocks [lo, hi) against this key block: FlashAttention-2's five matmuls."""
     DT: tl.constexpr = q_base.dtype.element_ty
     for start_m in range(lo, hi, BLOCK_M):
@@ -80,7 +83,8 @@ def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, mas
         # when lse < -88 (logits around -1000) and leaves Inf/NaN in unstored rows.
         xT, tT = _scores(_dot(k, tl.trans(q), INTERPRET), offs_m[None, :],  # 1: S
                          offs_n[:, None], mask_base, stride_mm, stride_mn, N_Q, N_K,
-                         sm_scale, cap, MASKED, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+                         sm_scale, cap, window, MASKED, CAUSAL, SLIDING, MASK_KIND, SOFTCAP,
+                         INTERPRET)
         pT = _p_from_lse(xT, lse, qk_scale, SOFTCAP or MASK_KIND == 2)
         dv += _dot(_lo(pT, DT, INTERPRET), do, INTERPRET)  # 2: dV += PᵀdO
         dpT = _dot(v, tl.trans(do), INTERPRET)  # 3: dP = dO Vᵀ
@@ -98,16 +102,16 @@ def _bwd_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, dq_base, mas
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, MASK, sm_scale, qk_scale, cap,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_dob, stride_doh, stride_dom,
                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
                 stride_mb, stride_mh, stride_mm, stride_mn,
-                H, N_Q, N_K, N_Q_BKT, N_K_BKT,
+                H, N_Q, N_K, N_Q_BKT, N_K_BKT, window,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                CAUSAL: tl.constexpr, SLIDING: tl.constexpr, MASK_KIND: tl.constexpr,
+                SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = DK.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -125,32 +129,22 @@ def _bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ32, DK, DV, MASK, sm_scale, qk_scale,
     mask_base = MASK + _bh_offset(pid_bh, H, stride_mb, stride_mh)
     rows = pid_bh.to(tl.int64) * N_Q  # LSE, δ and dQ32 are [B·H, N_Q(, D)] contiguous
 
-    # Query blocks: [lo, a_end) straddle the causal diagonal (masked), [a_end, b_end) see
-    # this whole key block (no mask), [b_end, N_Q) is the ragged end of Q (masked). The
-    # ragged last key block is masked throughout.
-    if CAUSAL:
-        lo = (n0 // BLOCK_M) * BLOCK_M
-        full_start = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        full_start = 0
-    if n0 + BLOCK_N > N_K:
-        a_end = N_Q
-    else:
-        a_end = tl.minimum(full_start, N_Q)
-    b_end = tl.maximum(a_end, (N_Q // BLOCK_M) * BLOCK_M)
+    # Query blocks: [lo, a) masked (causal diagonal, or the ragged last key block),
+    # [a, b) see this whole key block (no mask), [b, hi) masked (the window's edge, the
+    # ragged end of Q); the rest never see these keys (`_bwd_bounds`).
+    lo, a, b, hi = _bwd_bounds(n0, N_Q, N_K, window, BLOCK_M, BLOCK_N, CAUSAL, SLIDING)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
                         DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
-                        stride_mn, offs_n, lo, a_end, N_Q, N_K, sm_scale, qk_scale, cap, D,
-                        BLOCK_M, True, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+                        stride_mn, offs_n, lo, a, N_Q, N_K, sm_scale, qk_scale, cap, window,
+                        D, BLOCK_M, True, CAUSAL, SLIDING, MASK_KIND, SOFTCAP, INTERPRET)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
                         DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
-                        stride_mn, offs_n, a_end, b_end, N_Q, N_K, sm_scale, qk_scale, cap, D,
-                        BLOCK_M, False, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+                        stride_mn, offs_n, a, b, N_Q, N_K, sm_scale, qk_scale, cap, window,
+                        D, BLOCK_M, False, CAUSAL, SLIDING, MASK_KIND, SOFTCAP, INTERPRET)
     dk, dv = _bwd_inner(dk, dv, k, v, q_base, do_base, LSE + rows, DELTA + rows,
                         DQ32 + rows * D, mask_base, stride_qm, stride_dom, stride_mm,
-                        stride_mn, offs_n, b_end, N_Q, N_Q, N_K, sm_scale, qk_scale, cap, D,
-                        BLOCK_M, True, CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+                        stride_mn, offs_n, b, hi, N_Q, N_K, sm_scale, qk_scale, cap, window,
+                        D, BLOCK_M, True, CAUSAL, SLIDING, MASK_KIND, SOFTCAP, INTERPRET)
     tl.store(_tile(DK + _bh_offset(pid_bh, H, stride_dkb, stride_dkh), n0, stride_dkn,
                    BLOCK_N, D), _to_store(dk * sm_scale, DT, INTERPRET), mask=kmask[:, None])
     tl.store(_tile(DV + _bh_offset(pid_bh, H, stride_dvb, stride_dvh), n0, stride_dvn,

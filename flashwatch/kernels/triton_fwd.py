@@ -4,9 +4,12 @@ One program per (query block, batch·head): the Q block stays in registers while
 loop runs over K/V blocks, online softmax in exp2 with the scores folded by
 scale·log2(e), ties and the BETA shift in nats (semantics: flashwatch/kernels/reference.py).
 
-attn_mask and softcap are constexpr specialisations (MASK_KIND 0 none / 1 bool / 2 float,
-SOFTCAP): one compiled kernel per combination, the cap and the mask's pointer and
-strides are data. `_scores` (triton_helpers.py) applies them per tile.
+attn_mask, softcap and the sliding window are constexpr specialisations (MASK_KIND 0
+none / 1 bool / 2 float, SOFTCAP, SLIDING): one compiled kernel per combination; the cap,
+the mask's pointer and strides and the window size are data (`window` is an int the
+kernel is not specialised on: do_not_specialize, so 1, 16 or 4096 share one binary).
+`_scores` (triton_helpers.py) applies them per tile; `_fwd_bounds` skips the key blocks
+outside every row's window and masks only the blocks on the window's edge.
 """
 
 import triton
@@ -17,6 +20,7 @@ from .triton_helpers import (
     _bh_offset,
     _dot,
     _exp_shifted,
+    _fwd_bounds,
     _in_nats,
     _lo,
     _max_nan,
@@ -32,10 +36,10 @@ from .triton_helpers import (
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, sh_i, cnt, q, k_base, v_base, mask_base, stride_kn, stride_vn,
                stride_mm, stride_mn, offs_m, lo, hi, N_Q, N_K, sm_scale, qk_scale, cap,
-               is_beta, beta_m1, eps, guard, min_excess, D: tl.constexpr,
+               window, is_beta, beta_m1, eps, guard, min_excess, D: tl.constexpr,
                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               STATS: tl.constexpr, MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               SLIDING: tl.constexpr, STATS: tl.constexpr, MASK_KIND: tl.constexpr,
+               SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     DT: tl.constexpr = k_base.dtype.element_ty
     # x is the raw dot (s = scale·x) unless a softcap or float mask makes it s itself.
     NATS: tl.constexpr = SOFTCAP or MASK_KIND == 2
@@ -49,8 +53,8 @@ def _fwd_inner(acc, l_i, m_i, sh_i, cnt, q, k_base, v_base, mask_base, stride_kn
         else:
             k = tl.load(_tile(k_base, start_n, stride_kn, BLOCK_N, D))
         x, _t = _scores(_dot(q, tl.trans(k), INTERPRET), offs_m[:, None], cols[None, :],
-                        mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap, MASKED,
-                        CAUSAL, MASK_KIND, SOFTCAP, INTERPRET)
+                        mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap, window,
+                        MASKED, CAUSAL, SLIDING, MASK_KIND, SOFTCAP, INTERPRET)
         # Row max in nats = the reference's max of fl(x·scale), at BLOCK_M multiplies.
         m_new = _max_nan(m_i, _in_nats(_rowmax(x, INTERPRET), sm_scale, NATS))
         # Ties are tracked in every row of a BETA head (the shift needs them) and in every
@@ -110,16 +114,16 @@ def _fwd_store(O, O32, LSE, acc, l_i, sh_i, pid_bh, slot, m0, offs_m, row_ok, B,
         tl.store(_tile(o32_base, m0, D, BLOCK_M, D), o, mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _fwd_kernel(Q, K, V, O, O32, LSE, HEADS, ST_CNT, ST_MAX, MASK,
                 sm_scale, qk_scale, cap, beta_m1, eps, guard, min_excess,
                 stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                 stride_vb, stride_vh, stride_vn, stride_ob, stride_oh, stride_om,
                 stride_mb, stride_mh, stride_mm, stride_mn,
-                B, H, N_Q, N_K, N_MBLK, N_Q_BKT, N_K_BKT,
+                B, H, N_Q, N_K, N_MBLK, N_Q_BKT, N_K_BKT, window,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, STATS: tl.constexpr, MASK_KIND: tl.constexpr,
-                SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+                CAUSAL: tl.constexpr, SLIDING: tl.constexpr, STATS: tl.constexpr,
+                MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     h = pid_bh % H
@@ -137,23 +141,22 @@ def _fwd_kernel(Q, K, V, O, O32, LSE, HEADS, ST_CNT, ST_MAX, MASK,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     cnt = tl.zeros([BLOCK_M], tl.int32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # Key blocks [0, full_end) need no bounds or causal mask for any row of this query
-    # block; the rest (causal diagonal and/or the ragged end of K) do.
-    if CAUSAL:
-        hi = tl.minimum(N_K, m0 + BLOCK_M)
-        full_end = (tl.minimum(m0 + 1, N_K) // BLOCK_N) * BLOCK_N
-    else:
-        hi = N_K
-        full_end = (N_K // BLOCK_N) * BLOCK_N
+    lo, a, b, hi = _fwd_bounds(m0, N_K, window, BLOCK_M, BLOCK_N, CAUSAL, SLIDING)
+    if SLIDING:
+        acc, l_i, m_i, sh_i, cnt = _fwd_inner(
+            acc, l_i, m_i, sh_i, cnt, q, k_base, v_base, mask_base, stride_kn, stride_vn,
+            stride_mm, stride_mn, offs_m, lo, a, N_Q, N_K, sm_scale, qk_scale, cap, window,
+            is_beta, beta_m1, eps, guard, min_excess, D, BLOCK_N, True, CAUSAL, SLIDING,
+            STATS, MASK_KIND, SOFTCAP, INTERPRET)
     acc, l_i, m_i, sh_i, cnt = _fwd_inner(
         acc, l_i, m_i, sh_i, cnt, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-        stride_mm, stride_mn, offs_m, 0, full_end, N_Q, N_K, sm_scale, qk_scale, cap,
-        is_beta, beta_m1, eps, guard, min_excess, D, BLOCK_N, False, CAUSAL, STATS,
+        stride_mm, stride_mn, offs_m, a, b, N_Q, N_K, sm_scale, qk_scale, cap, window,
+        is_beta, beta_m1, eps, guard, min_excess, D, BLOCK_N, False, CAUSAL, SLIDING, STATS,
         MASK_KIND, SOFTCAP, INTERPRET)
     acc, l_i, m_i, sh_i, cnt = _fwd_inner(
         acc, l_i, m_i, sh_i, cnt, q, k_base, v_base, mask_base, stride_kn, stride_vn,
-        stride_mm, stride_mn, offs_m, full_end, hi, N_Q, N_K, sm_scale, qk_scale, cap,
-        is_beta, beta_m1, eps, guard, min_excess, D, BLOCK_N, True, CAUSAL, STATS,
+        stride_mm, stride_mn, offs_m, b, hi, N_Q, N_K, sm_scale, qk_scale, cap, window,
+        is_beta, beta_m1, eps, guard, min_excess, D, BLOCK_N, True, CAUSAL, SLIDING, STATS,
         MASK_KIND, SOFTCAP, INTERPRET)
     _fwd_store(O, O32, LSE, acc, l_i, sh_i, pid_bh, tl.load(HEADS + H + h), m0, offs_m,
                row_ok, B, H, N_Q, stride_ob, stride_oh, stride_om, D, BLOCK_M, INTERPRET)

@@ -5,6 +5,7 @@
   row max, BETA shift and the online tie count       `_rowmax`, `_beta_excess`, `_update_ties`
   scores as the softmax sees them (softcap, masks)  `_scores`, `_tanh`, `_mask_load`,
                                                      `_in_nats`, `_exp_shifted`, `_p_from_lse`
+  which key / query blocks a block pair needs       `_fwd_bounds`, `_bwd_bounds`
   the prologue every kernel shares                  `_bh_offset`, `_tile`, `_row_offset`
 
 Interpreter (TRITON_INTERPRET=1, how CPU CI runs these kernels): triton 3.9's
@@ -187,13 +188,14 @@ def _mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K, INTERPRET: tl.co
 
 
 @triton.jit
-def _scores(qk, r, c, mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap,
-            BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-            SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
+def _scores(qk, r, c, mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap, window,
+            BOUNDS: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
+            MASK_KIND: tl.constexpr, SOFTCAP: tl.constexpr, INTERPRET: tl.constexpr):
     """One tile's scores as the softmax sees them (`reference._block_scores`): s =
-    scale·qk, s = cap·tanh(s/cap) (SOFTCAP), then hidden keys set to -inf: out of bounds
-    and causal (BOUNDS: the tiles that straddle them), attn_mask False (MASK_KIND 1), or a float
-    mask added (MASK_KIND 2). Returns (x, t), t = tanh(s/cap) for the backward (else qk).
+    scale·qk, s = cap·tanh(s/cap) (SOFTCAP), then hidden keys set to -inf: out of bounds,
+    causal and outside the sliding window (BOUNDS: the tiles that straddle them),
+    attn_mask False (MASK_KIND 1), or a float mask added (MASK_KIND 2). Returns (x, t),
+    t = tanh(s/cap) for the backward (else qk).
 
     Without SOFTCAP or a float mask x stays the raw dot (s = scale·x, folded into exp2 by
     the caller); with them x = s in nats (`_exp_shifted`, `_p_from_lse`)."""
@@ -210,6 +212,8 @@ def _scores(qk, r, c, mask_base, stride_mm, stride_mn, N_Q, N_K, sm_scale, cap,
         vis = (r < N_Q) & (c < N_K)
         if CAUSAL:
             vis = vis & (c <= r)  # top-left aligned, like SDPA's is_causal
+        if SLIDING:
+            vis = vis & (r - c < window)  # Hugging Face's sliding_window_overlay
         if MASK_KIND == 1:
             vis = vis & (_mask_load(mask_base, r, c, stride_mm, stride_mn, N_Q, N_K,
                                     INTERPRET) != 0)
@@ -257,3 +261,51 @@ def _p_from_lse(xT, lse, qk_scale, NATS: tl.constexpr):
         return tl.exp2((xT - lse[None, :]) * LOG2E)
     else:
         return tl.exp2(xT * qk_scale - (lse * LOG2E)[None, :])
+
+
+@triton.jit
+def _fwd_bounds(m0, N_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, SLIDING: tl.constexpr):
+    """Key blocks for the query block at m0, as (lo, a, b, hi): [lo, a) straddle the
+    window's edge (masked), [a, b) need no mask for any row, [b, hi) straddle the causal
+    diagonal or the ragged end of K (masked). Keys before lo are outside the window of
+    every row (i - j >= window), keys from hi on are after the diagonal: never loaded."""
+    lo = 0
+    win_end = 0
+    if SLIDING:  # row i sees keys j > i - window: the block's first row sees the fewest
+        lo = (tl.maximum(m0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+        win_end = tl.cdiv(tl.maximum(m0 + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+    if CAUSAL:
+        hi = tl.minimum(N_K, m0 + BLOCK_M)
+        full_end = (tl.minimum(m0 + 1, N_K) // BLOCK_N) * BLOCK_N
+    else:
+        hi = N_K
+        full_end = (N_K // BLOCK_N) * BLOCK_N
+    a = tl.maximum(lo, tl.minimum(win_end, hi))
+    return lo, a, tl.maximum(a, full_end), hi
+
+
+@triton.jit
+def _bwd_bounds(n0, N_Q, N_K, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, SLIDING: tl.constexpr):
+    """Query blocks for the key block at n0, as (lo, a, b, hi): [lo, a) straddle the
+    causal diagonal (all of [lo, hi) if the key block is K's ragged end), [a, b) see the
+    whole key block, [b, hi) straddle the window's edge or the ragged end of Q. Rows
+    before lo see none of these keys (causal), rows from hi on have them all outside
+    their window (i >= j + window): never loaded."""
+    if CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M
+        full_start = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        full_start = 0
+    hi = N_Q
+    full_stop = (N_Q // BLOCK_M) * BLOCK_M
+    if SLIDING:  # key j is seen by rows i < j + window: the block's first key by the fewest
+        hi = tl.minimum(N_Q, n0 + BLOCK_N + window - 1)
+        full_stop = tl.minimum(full_stop, ((n0 + window) // BLOCK_M) * BLOCK_M)
+    if n0 + BLOCK_N > N_K:
+        a = hi
+    else:
+        a = tl.minimum(full_start, hi)
+    return lo, a, tl.maximum(a, full_stop), hi

@@ -1,12 +1,14 @@
 """Autotune spaces and keys of the Triton attention kernels (triton_attention.py).
 
-Keys: the autotuner tunes once per (length bucket, D, CAUSAL[, STATS], MASK_KIND,
-SOFTCAP, dtypes), where a length's bucket is its next power of two (`bucket`), passed to
+Keys: the autotuner tunes once per (length bucket, D, CAUSAL, SLIDING[, STATS],
+MASK_KIND, SOFTCAP, dtypes), where a length's bucket is its next power of two (`bucket`), passed to
 the kernels as the otherwise unused int arguments N_Q_BKT and N_K_BKT. A new exact
 length in a seen bucket reuses the tuned config and the compiled kernel (ints are
 specialised only on divisibility by 16 and == 1), so training with varying lengths
 neither retunes nor recompiles after warm-up, and a CUDA-graph capture never meets a
-tuning run.
+tuning run. The sliding window's size (`window`) is not in the key and the kernels are
+not specialised on it (do_not_specialize): a new size neither retunes nor recompiles;
+only turning it on or off (SLIDING) does.
 
 Spaces: only configs that ptxas compiles for sm_90 without spilling, per head dim
 (`benchmarks/compile_check.py --spills` measures every config; its numbers are in
@@ -29,8 +31,8 @@ AUTOTUNE = os.environ.get("FLASHWATCH_TRITON_AUTOTUNE", "1") != "0"
 FWD_MIN_BLOCK_M = 64  # the forward's counter buffer has a slot per 64 query rows
 INTERP_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16)  # tests swap in other blocks (rectangular)
 
-FWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "STATS", "MASK_KIND", "SOFTCAP"]
-BWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "MASK_KIND", "SOFTCAP"]
+FWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "SLIDING", "STATS", "MASK_KIND", "SOFTCAP"]
+BWD_KEY = ["N_Q_BKT", "N_K_BKT", "D", "CAUSAL", "SLIDING", "MASK_KIND", "SOFTCAP"]
 
 
 def bucket(n: int) -> int:
