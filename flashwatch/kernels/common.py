@@ -191,28 +191,26 @@ def check_window(sliding_window) -> None:
                          f"no window or a value >= 1")
 
 
-def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_mask=None,
-                 softcap=None, sliding_window=None):
-    """Validate a call to any attention backend.
+def _check_tensor(name: str, t) -> None:
+    """One of q, k, v on its own: a 4-D tensor of a supported dtype, not empty."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape [B, H, N, D] like scaled_dot_product_attention, got "
+            f"shape {_shape(t)}; add missing batch/head dims with {name}.unsqueeze(...)"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; supported are bfloat16, float16 and float32 "
+            f"(cast with {name}.to(torch.bfloat16))"
+        )
+    if t.shape[2] < 1 or t.shape[3] < 1:
+        raise ValueError(f"{name} has an empty sequence or head dimension: {_shape(t)}")
 
-    Returns (scale, head_modes) normalized: scale as float, head_modes as an int32 CPU
-    tensor [H]. Raises TypeError/ValueError naming the argument, the value and the fix.
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name} must have shape [B, H, N, D] like scaled_dot_product_attention, got "
-                f"shape {_shape(t)}; add missing batch/head dims with {name}.unsqueeze(...)"
-            )
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; supported are bfloat16, float16 and float32 "
-                f"(cast with {name}.to(torch.bfloat16))"
-            )
-        if t.shape[2] < 1 or t.shape[3] < 1:
-            raise ValueError(f"{name} has an empty sequence or head dimension: {_shape(t)}")
+
+def _check_qkv_agree(q, k, v) -> None:
+    """q, k, v together: one dtype, one device, the same B, H and D; k and v one length."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}; cast them to "
@@ -242,6 +240,33 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_m
             f"q, k, v must share the head dimension D, got {_shape(q)}, {_shape(k)}, "
             f"{_shape(v)}"
         )
+
+
+def _check_stats(stats, num_heads: int) -> None:
+    if stats is None:
+        return
+    if not isinstance(stats, AttentionStats):
+        raise TypeError(
+            f"stats must be a flashwatch.AttentionStats or None, got {type(stats).__name__}; "
+            f"create one with AttentionStats.zeros(num_heads)"
+        )
+    if stats.num_heads != num_heads:
+        raise ValueError(
+            f"stats holds {stats.num_heads} heads but q has {num_heads}; create it with "
+            f"AttentionStats.zeros({num_heads})"
+        )
+
+
+def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_mask=None,
+                 softcap=None, sliding_window=None):
+    """Validate a call to any attention backend.
+
+    Returns (scale, head_modes) normalized: scale as float, head_modes as an int32 CPU
+    tensor [H]. Raises TypeError/ValueError naming the argument, the value and the fix.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    _check_qkv_agree(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if scale is None:
@@ -258,17 +283,7 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_m
                       hint="pass None for no softcapping (Gemma2 uses 50.0)")
     check_mask(attn_mask, q, k)
     check_window(sliding_window)
-    if stats is not None:
-        if not isinstance(stats, AttentionStats):
-            raise TypeError(
-                f"stats must be a flashwatch.AttentionStats or None, got {type(stats).__name__}; "
-                f"create one with AttentionStats.zeros(num_heads)"
-            )
-        if stats.num_heads != q.shape[1]:
-            raise ValueError(
-                f"stats holds {stats.num_heads} heads but q has {q.shape[1]}; create it with "
-                f"AttentionStats.zeros({q.shape[1]})"
-            )
+    _check_stats(stats, q.shape[1])
     return scale, normalize_head_modes(head_modes, q.shape[1])
 
 

@@ -122,14 +122,95 @@ def forward(q, k, v, *, causal, scale, modes, beta, eps, want_ties=True,
                         mask, window)
 
 
-def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False,
-             mask=None, window=None):
-    B, H, Nq, D = q.shape
-    Nk = k.shape[2]
-    dt, dev = q.dtype, q.device
+class _Chunk(NamedTuple):
+    """A query chunk after its last key block: their running shift m, sum l and
+    accumulator acc (input dtype); l32, acc32 for the FP32 heads (else None); the
+    row-wide max mx and tie count cnt of the visible scores (FP32); pmax (debug)."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+    l32: torch.Tensor | None
+    acc32: torch.Tensor | None
+    mx: torch.Tensor
+    cnt: torch.Tensor
+    pmax: torch.Tensor | None
+
+
+def _block_max(s, beta_h, any_beta, beta, eps):
+    """Their m_blk (step 4): the block's row max, and in BETA heads' rows with ≥ 2
+    entries within eps of it (threshold in the input dtype), β·m_blk (m_blk > 0) or 0
+    (m_blk < 0). Returns (m_raw, m_blk): the max before and after the rule."""
+    m_raw = s.amax(-1, keepdim=True)
+    m_blk = m_raw
+    if any_beta:
+        near = (s >= m_blk - eps).sum(-1, keepdim=True)
+        tied = beta_h & (near > 1)
+        m_blk = torch.where(tied & (m_blk > 0), m_blk * beta, m_blk)
+        m_blk = torch.where(tied & (m_blk < 0), torch.zeros_like(m_blk), m_blk)
+    return m_raw, m_blk
+
+
+def _row_counters(mx, cnt, s, m_raw, hide, visible_max, want_ties, eps):
+    """The row-wide max and tie count (every backend's definition) after one block.
+    Causal alone: every row sees key 0, so the block maxima (before the tie rule) give
+    the largest visible score (a hidden block's -finfo.max never wins). An attn_mask or
+    a window can hide a whole block of a row (or the row): visible_max, the max of the
+    visible scores."""
+    if not visible_max:
+        mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
+    s32 = s.float() if hide is None else s.float().masked_fill(hide, -math.inf)
+    if visible_max:
+        mx_new = torch.maximum(mx, s32.amax(-1))
+    if want_ties:
+        cnt = update_ties(mx, cnt, s32, mx_new, eps)
+    return mx_new, cnt
+
+
+def _chunk_forward(qc, k, v, q0, q1, causal, scale, mask, window, modes, beta, eps,
+                   want_ties, debug, f32) -> _Chunk:
+    """Their loop over every 512-key block for query rows q0:q1 (qc, input dtype)."""
+    B, H, n, D = qc.shape
+    dt, dev = qc.dtype, qc.device
     masked = -torch.finfo(dt).max  # what their forward writes into hidden scores
     beta_h = (modes == int(Mode.BETA)).to(dev).view(1, H, 1, 1)
     any_beta = bool(beta_h.any())
+    m = torch.full((B, H, n, 1), masked, dtype=dt, device=dev)  # the running shift
+    l = torch.zeros(B, H, n, 1, dtype=dt, device=dev)
+    acc = torch.zeros(B, H, n, D, dtype=dt, device=dev)
+    l32 = torch.zeros(B, len(f32), n, 1, device=dev) if f32 else None
+    acc32 = torch.zeros(B, len(f32), n, D, device=dev) if f32 else None
+    # Row-wide tie count and max over the visible FP32 copies of the BF16 scores.
+    mx = torch.full((B, H, n), -math.inf, device=dev)
+    cnt = torch.zeros(B, H, n, dtype=torch.int64, device=dev)
+    pmax = torch.zeros(B, H, n, 1, device=dev) if debug else None
+    for k0 in range(0, k.shape[2], BLOCK):
+        k1 = min(k0 + BLOCK, k.shape[2])
+        kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
+        s, hide = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, masked, window)
+        m_raw, m_blk = _block_max(s, beta_h, any_beta, beta, eps)
+        m_new = torch.maximum(m_blk, m)
+        p = torch.exp(s - m_new)
+        l_blk = p.sum(-1, keepdim=True).clamp(min=SUM_FLOOR)
+        alpha = torch.exp(m - m_new)
+        l = alpha * l + l_blk
+        acc = acc * alpha + torch.matmul(p, vb)
+        if f32:  # same P̄ and α, accumulated without BF16 roundings
+            p32, a32 = p[:, f32].float(), alpha[:, f32].float()
+            l32 = a32 * l32 + p32.sum(-1, keepdim=True).clamp(min=SUM_FLOOR)
+            acc32 = acc32 * a32 + torch.matmul(p32, vb[:, f32].float())
+        if debug:
+            pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1, keepdim=True))
+        m = m_new
+        mx, cnt = _row_counters(mx, cnt, s, m_raw, hide,
+                                mask is not None or window is not None, want_ties, eps)
+    return _Chunk(m, l, acc, l32, acc32, mx, cnt, pmax)
+
+
+def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o32=False,
+             mask=None, window=None):
+    B, H, Nq, D = q.shape
+    dt, dev = q.dtype, q.device
     f32 = list(range(H)) if keep_o32 else _fp32_heads(modes)
 
     o = torch.empty(B, H, Nq, D, dtype=dt, device=dev)
@@ -142,69 +223,21 @@ def _forward(q, k, v, causal, scale, modes, beta, eps, want_ties, debug, keep_o3
 
     for q0 in range(0, Nq, BLOCK):
         q1 = min(q0 + BLOCK, Nq)
-        qc = q[:, :, q0:q1]
-        n = q1 - q0
-        m = torch.full((B, H, n, 1), masked, dtype=dt, device=dev)  # the running shift
-        l = torch.zeros(B, H, n, 1, dtype=dt, device=dev)
-        acc = torch.zeros(B, H, n, D, dtype=dt, device=dev)
-        if f32:
-            l32 = torch.zeros(B, len(f32), n, 1, device=dev)
-            acc32 = torch.zeros(B, len(f32), n, D, device=dev)
-        # Row-wide tie count and max over the visible FP32 copies of the BF16 scores.
-        mx = torch.full((B, H, n), -math.inf, device=dev)
-        cnt = torch.zeros(B, H, n, dtype=torch.int64, device=dev)
-        pmax = torch.zeros(B, H, n, 1, device=dev) if debug else None
-        for k0 in range(0, Nk, BLOCK):
-            k1 = min(k0 + BLOCK, Nk)
-            kb, vb = k[:, :, k0:k1], v[:, :, k0:k1]
-            s, hide = _scores(qc, kb, scale, q0, q1, k0, k1, causal, mask, masked, window)
-            m_raw = s.amax(-1, keepdim=True)
-            m_blk = m_raw
-            if any_beta:
-                near = (s >= m_blk - eps).sum(-1, keepdim=True)
-                tied = beta_h & (near > 1)
-                m_blk = torch.where(tied & (m_blk > 0), m_blk * beta, m_blk)
-                m_blk = torch.where(tied & (m_blk < 0), torch.zeros_like(m_blk), m_blk)
-            m_new = torch.maximum(m_blk, m)
-            p = torch.exp(s - m_new)
-            l_blk = p.sum(-1, keepdim=True).clamp(min=SUM_FLOOR)
-            alpha = torch.exp(m - m_new)
-            l = alpha * l + l_blk
-            acc = acc * alpha + torch.matmul(p, vb)
-            if f32:  # same P̄ and α, accumulated without BF16 roundings
-                p32, a32 = p[:, f32].float(), alpha[:, f32].float()
-                l32 = a32 * l32 + p32.sum(-1, keepdim=True).clamp(min=SUM_FLOOR)
-                acc32 = acc32 * a32 + torch.matmul(p32, vb[:, f32].float())
-            if debug:
-                pmax = torch.maximum(pmax * alpha.float(), p.float().amax(-1, keepdim=True))
-            m = m_new
-
-            # Causal alone: every row sees key 0, so the block maxima (before the tie
-            # rule) give the largest visible score (a hidden block's -finfo.max never
-            # wins). An attn_mask or a window can hide a whole block of a row (or the
-            # row): then the visible scores' max.
-            if mask is None and window is None:
-                mx_new = torch.maximum(mx, m_raw.squeeze(-1).float())
-            s32 = s.float() if hide is None else s.float().masked_fill(hide, -math.inf)
-            if mask is not None or window is not None:
-                mx_new = torch.maximum(mx, s32.amax(-1))
-            if want_ties:
-                cnt = update_ties(mx, cnt, s32, mx_new, eps)
-            mx = mx_new
-
-        # A row with no visible key (attn_mask only): O = 0 and LSE = +inf (the
+        c = _chunk_forward(q[:, :, q0:q1], k, v, q0, q1, causal, scale, mask, window, modes,
+                           beta, eps, want_ties, debug, f32)
+        # A row with no visible key (attn_mask or window): O = 0 and LSE = +inf (the
         # backward's P = 0), as SDPA's math backend and the reference give.
-        empty = torch.isneginf(mx).unsqueeze(-1)
-        o[:, :, q0:q1] = (acc / l).masked_fill(empty, 0)
-        lse[:, :, q0:q1] = (torch.log(l) + m).masked_fill(empty, math.inf).squeeze(-1)
+        empty = torch.isneginf(c.mx).unsqueeze(-1)
+        o[:, :, q0:q1] = (c.acc / c.l).masked_fill(empty, 0)
+        lse[:, :, q0:q1] = (torch.log(c.l) + c.m).masked_fill(empty, math.inf).squeeze(-1)
         if f32:
-            o32[:, :, q0:q1] = (acc32 / l32).masked_fill(empty[:, f32], 0)
+            o32[:, :, q0:q1] = (c.acc32 / c.l32).masked_fill(empty[:, f32], 0)
         if debug:
-            pbar_max[:, :, q0:q1] = pmax.squeeze(-1)
-            o_unnorm[:, :, q0:q1] = acc
+            pbar_max[:, :, q0:q1] = c.pmax.squeeze(-1)
+            o_unnorm[:, :, q0:q1] = c.acc
         if want_ties:
-            tied_rows += (cnt >= 2).sum((0, 2))
-        max_logit = torch.maximum(max_logit, mx.amax((0, 2)))
+            tied_rows += (c.cnt >= 2).sum((0, 2))
+        max_logit = torch.maximum(max_logit, c.mx.amax((0, 2)))
     return PaperForward(o, lse, o32, tied_rows, max_logit, B * Nq, pbar_max, o_unnorm)
 
 

@@ -129,17 +129,84 @@ def _finalize(acc, l, shift):
     return o, lse
 
 
+class _ShiftRule(NamedTuple):
+    """How a call's rows are shifted and counted: the BETA heads ([1, H, 1] bool) and
+    their β, the tie tolerance, the dtype's guard; track: count ties (the caller wants
+    the counters, or a BETA head needs them for its shift)."""
+
+    beta_h: torch.Tensor
+    any_beta: bool
+    track: bool
+    beta: float
+    eps: float
+    guard: float
+
+
+def _shift_rule(modes, beta, eps, want_ties, dt, dev) -> _ShiftRule:
+    any_beta = bool((modes == int(Mode.BETA)).any())
+    return _ShiftRule(_head_mask(modes, Mode.BETA, dev), any_beta, want_ties or any_beta,
+                      beta, eps, GUARD_NATS[dt])
+
+
+def _chunk_softmax(qc, k, v, q0, q1, rule, causal, scale, softcap, mask, window, block_n,
+                   debug):
+    """Online softmax of query rows q0:q1 (qc: their FP32 q) over the key blocks they can
+    see. Returns (acc, l, m, shift, cnt, pmax): the FP32 accumulator, row sum, row max,
+    shift, tie count and (debug, else None) the largest P̄ weight applied to V."""
+    B, H, _, D = qc.shape
+    dt, dev, Nk = k.dtype, qc.device, k.shape[2]
+    shape = (B, H, q1 - q0)
+    m = torch.full(shape, -math.inf, device=dev)
+    shift = torch.full(shape, -math.inf, device=dev)
+    cnt = torch.zeros(shape, dtype=torch.int64, device=dev)
+    l = torch.zeros(shape, device=dev)
+    acc = torch.zeros(*shape, D, device=dev)
+    pmax = torch.zeros(shape, device=dev) if debug else None
+    # Keys outside [k_first, k_end) are hidden for every row here: skipped blocks
+    # would add exactly 0 (P = 0, alpha = 1), so skipping them changes no bit.
+    k_first, k_end = key_range(q0, q1, Nk, causal, window)
+    for k0 in range(k_first - k_first % block_n, k_end, block_n):
+        k1 = min(k0 + block_n, k_end)
+        s, _ = _block_scores(qc, k[:, :, k0:k1].float(), q0, q1, k0, k1, causal, scale,
+                             softcap, mask, window)
+        m_new = torch.maximum(m, s.amax(-1))
+        if rule.track:
+            cnt = update_ties(m, cnt, s, m_new, rule.eps)
+        shift_new = m_new
+        if rule.any_beta:
+            excess, _ = beta_excess(m_new, rule.beta, rule.guard)
+            shift_new = torch.where(rule.beta_h & (cnt >= 2), m_new + excess, m_new)
+        # A row that has seen only masked keys keeps shift -inf; use 0 there so that
+        # exp(-inf - 0) = 0 instead of NaN. alpha rescales what was summed so far.
+        safe = torch.where(shift_new == -math.inf, 0.0, shift_new)
+        alpha = torch.exp(shift - safe)
+        p = torch.exp(s.sub_(safe.unsqueeze(-1)))
+        p_lo = p.to(dt).float() if dt != torch.float32 else p
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_lo, v[:, :, k0:k1].float())
+        if debug:
+            pmax = torch.maximum(pmax * alpha, p_lo.amax(-1))
+        m, shift = m_new, shift_new
+    return acc, l, m, shift, cnt, pmax
+
+
+def _chunk_counts(rule, m, cnt) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head (tied rows, guarded rows) of one chunk from its row max and tie count."""
+    tied = cnt >= 2
+    guarded = torch.zeros_like(tied)
+    if rule.any_beta:
+        _, over = beta_excess(m, rule.beta, rule.guard)
+        guarded = over & tied & rule.beta_h
+    return tied.sum((0, 2)), guarded.sum((0, 2))
+
+
 def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
                    block_n=BLOCK_N, block_m=BLOCK_M, keep_o32=False, attn_mask=None,
                    softcap=None, window=None) -> ForwardResult:
     B, H, Nq, D = q.shape
     mask = _full_mask(attn_mask, q, k)
-    Nk = k.shape[2]
     dt, dev = q.dtype, q.device
-    beta_h = _head_mask(modes, Mode.BETA, dev)
-    any_beta = bool((modes == int(Mode.BETA)).any())
-    track = want_ties or any_beta
-    guard = GUARD_NATS[dt]
+    rule = _shift_rule(modes, beta, eps, want_ties, dt, dev)
     fp32_idx = torch.nonzero(modes == int(Mode.FP32_O)).flatten().tolist()
     if keep_o32:  # every head's FP32 O (the watcher's residual for c[T] on every row)
         fp32_idx = list(range(H))
@@ -157,39 +224,9 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
 
     for q0 in range(0, Nq, block_m):
         q1 = min(q0 + block_m, Nq)
-        qc = q[:, :, q0:q1].float()
-        shape = (B, H, q1 - q0)
-        m = torch.full(shape, -math.inf, device=dev)
-        shift = torch.full(shape, -math.inf, device=dev)
-        cnt = torch.zeros(shape, dtype=torch.int64, device=dev)
-        l = torch.zeros(shape, device=dev)
-        acc = torch.zeros(*shape, D, device=dev)
-        pmax = torch.zeros(shape, device=dev) if debug else None
-        # Keys outside [k_first, k_end) are hidden for every row here: skipped blocks
-        # would add exactly 0 (P = 0, alpha = 1), so skipping them changes no bit.
-        k_first, k_end = key_range(q0, q1, Nk, causal, window)
-        for k0 in range(k_first - k_first % block_n, k_end, block_n):
-            k1 = min(k0 + block_n, k_end)
-            s, _ = _block_scores(qc, k[:, :, k0:k1].float(), q0, q1, k0, k1, causal, scale,
-                                 softcap, mask, window)
-            m_new = torch.maximum(m, s.amax(-1))
-            if track:
-                cnt = update_ties(m, cnt, s, m_new, eps)
-            shift_new = m_new
-            if any_beta:
-                excess, _ = beta_excess(m_new, beta, guard)
-                shift_new = torch.where(beta_h & (cnt >= 2), m_new + excess, m_new)
-            # A row that has seen only masked keys keeps shift -inf; use 0 there so that
-            # exp(-inf - 0) = 0 instead of NaN. alpha rescales what was summed so far.
-            safe = torch.where(shift_new == -math.inf, 0.0, shift_new)
-            alpha = torch.exp(shift - safe)
-            p = torch.exp(s.sub_(safe.unsqueeze(-1)))
-            p_lo = p.to(dt).float() if dt != torch.float32 else p
-            l = l * alpha + p.sum(-1)
-            acc = acc * alpha.unsqueeze(-1) + torch.matmul(p_lo, v[:, :, k0:k1].float())
-            if debug:
-                pmax = torch.maximum(pmax * alpha, p_lo.amax(-1))
-            m, shift = m_new, shift_new
+        acc, l, m, shift, cnt, pmax = _chunk_softmax(
+            q[:, :, q0:q1].float(), k, v, q0, q1, rule, causal, scale, softcap, mask, window,
+            block_n, debug)
         oc, lse[:, :, q0:q1] = _finalize(acc, l, shift)
         o[:, :, q0:q1] = oc.to(dt)
         if fp32_idx:
@@ -197,12 +234,10 @@ def _forward_fused(q, k, v, causal, scale, modes, beta, eps, want_ties, debug,
         if debug:
             pbar_max[:, :, q0:q1] = pmax
             o_unnorm[:, :, q0:q1] = acc
-        if track:
-            tied = cnt >= 2
-            tied_rows += tied.sum((0, 2))
-            if any_beta:
-                _, guarded = beta_excess(m, beta, guard)
-                guarded_rows += (guarded & tied & beta_h).sum((0, 2))
+        if rule.track:
+            tied, guarded = _chunk_counts(rule, m, cnt)
+            tied_rows += tied
+            guarded_rows += guarded
         max_logit = torch.maximum(max_logit, m.amax((0, 2)))
     return ForwardResult(o, lse, o32, tied_rows, guarded_rows, max_logit, B * Nq,
                          pbar_max, o_unnorm)
