@@ -10,13 +10,16 @@ signal values, tie ratios and modes of three heads, a Policy over them."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
@@ -337,3 +340,49 @@ def mvec(*m):
 def policy(mitigation="auto", **kw):
     """A Policy over HEADS."""
     return Policy(WatchConfig(mitigation=mitigation, **kw), HEADS)
+
+
+# dashboard tests (test_dashboards, test_metrics): the committed Grafana dashboard, the
+# Prometheus rules, and every PromQL expression the dashboard runs.
+_DASH = Path(__file__).resolve().parent.parent / "dashboards"
+
+
+def dashboard_json() -> dict:
+    """dashboards/grafana/flashwatch.json, as committed."""
+    return json.loads((_DASH / "grafana" / "flashwatch.json").read_text())
+
+
+def prometheus_rules() -> list[dict]:
+    """Every rule (recording and alerting) of dashboards/prometheus/flashwatch-rules.yml."""
+    path = _DASH / "prometheus" / "flashwatch-rules.yml"
+    return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
+def all_panels(panels):
+    """Every panel, including those inside collapsed rows."""
+    for p in panels:
+        yield p
+        yield from all_panels(p.get("panels", []))
+
+
+def panels_with_queries(d):
+    return [p for p in all_panels(d["panels"]) if p["type"] not in ("row", "text")]
+
+
+def dashboard_exprs(d) -> list[str]:
+    """Every PromQL expression of the dashboard: targets, annotations, variables."""
+    exprs = [t["expr"] for p in panels_with_queries(d) for t in p["targets"]]
+    for a in d["annotations"]["list"]:
+        if not a.get("builtIn"):
+            exprs += [a["expr"], a["target"]["expr"]]
+    for v in d["templating"]["list"]:
+        if v["type"] == "query":
+            exprs.append(label_values_args(v)[0])
+    return exprs
+
+
+def label_values_args(var) -> tuple[str, str]:
+    """(selector, label) of a `label_values(selector, label)` variable query."""
+    m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
+    assert m, f"variable {var['name']}: not a label_values(selector, label) query"
+    return m.group(1), m.group(2)

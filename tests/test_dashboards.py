@@ -19,7 +19,15 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from _helpers import promql_metric_names
+from _helpers import (
+    all_panels,
+    dashboard_exprs,
+    dashboard_json,
+    label_values_args,
+    panels_with_queries,
+    prometheus_rules,
+    promql_metric_names,
+)
 
 from flashwatch import Event, Mode
 from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
@@ -45,50 +53,12 @@ def _load_generator():
     return mod
 
 
-def _dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def _prom_rules() -> list[dict]:
-    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
-
-
 def _alerts() -> list[dict]:
-    return [r for r in _prom_rules() if "alert" in r]
+    return [r for r in prometheus_rules() if "alert" in r]
 
 
 def _grafana_rules() -> list[dict]:
     return [r for g in yaml.safe_load(GRAFANA_ALERTS.read_text())["groups"] for r in g["rules"]]
-
-
-def _all_panels(panels):
-    """Every panel, including those inside collapsed rows."""
-    for p in panels:
-        yield p
-        yield from _all_panels(p.get("panels", []))
-
-
-def _query_panels(d):
-    return [p for p in _all_panels(d["panels"]) if p["type"] not in ("row", "text")]
-
-
-def _dashboard_exprs(d) -> list[str]:
-    """Every PromQL expression of the dashboard: targets, annotations, variables."""
-    exprs = [t["expr"] for p in _query_panels(d) for t in p["targets"]]
-    for a in d["annotations"]["list"]:
-        if not a.get("builtIn"):
-            exprs += [a["expr"], a["target"]["expr"]]
-    for v in d["templating"]["list"]:
-        if v["type"] == "query":
-            exprs.append(_label_values(v)[0])
-    return exprs
-
-
-def _label_values(var) -> tuple[str, str]:
-    """(selector, label) of a `label_values(selector, label)` variable query."""
-    m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
-    assert m, f"variable {var['name']}: not a label_values(selector, label) query"
-    return m.group(1), m.group(2)
 
 
 def test_metric_name_parser_finds_names_and_catches_typos():
@@ -105,13 +75,13 @@ def test_metric_name_parser_finds_names_and_catches_typos():
 
 
 def _known_names() -> set[str]:
-    recorded = {r["record"] for r in _prom_rules() if "record" in r}
+    recorded = {r["record"] for r in prometheus_rules() if "record" in r}
     return set(METRIC_NAMES) | recorded | {"up"}
 
 
 def test_every_metric_name_exists_in_the_exporter_or_the_recording_rules():
-    sources = {"dashboard": _dashboard_exprs(_dashboard()),
-               "prometheus rules": [r["expr"] for r in _prom_rules()],
+    sources = {"dashboard": dashboard_exprs(dashboard_json()),
+               "prometheus rules": [r["expr"] for r in prometheus_rules()],
                "grafana alerts": [q["model"]["expr"] for r in _grafana_rules()
                                   for q in r["data"] if "expr" in q["model"]]}
     used = set()
@@ -134,7 +104,7 @@ def test_grafana_alert_rules_are_equivalent_to_the_prometheus_alerts():
     assert sorted(graf) == sorted(prom)
     uids = [r["uid"] for r in graf.values()]
     assert len(set(uids)) == len(uids)
-    panel_ids = {p["id"] for p in _all_panels(_dashboard()["panels"])}
+    panel_ids = {p["id"] for p in all_panels(dashboard_json()["panels"])}
     for name, g in graf.items():
         p = prom[name]
         assert re.fullmatch(r"[A-Za-z0-9_-]{1,40}", g["uid"]), g["uid"]
@@ -153,7 +123,7 @@ def test_grafana_alert_rules_are_equivalent_to_the_prometheus_alerts():
             assert g["annotations"][key] == expected, (name, key)
         # no `$` in annotations: provisioning must not be able to expand anything there
         assert not any("$" in v for v in g["annotations"].values()), name
-        assert g["annotations"]["__dashboardUid__"] == _dashboard()["uid"]
+        assert g["annotations"]["__dashboardUid__"] == dashboard_json()["uid"]
         assert int(g["annotations"]["__panelId__"]) in panel_ids
         assert g["noDataState"] == "OK" and g["execErrState"] in ("Error", "Alerting", "OK")
 
@@ -175,7 +145,7 @@ def test_dashboard_provisioning_file():
 
 
 def test_dashboard_structure_grafana_needs():
-    d = _dashboard()
+    d = dashboard_json()
     assert d["uid"] == "flashwatch-attention" and d["title"]
     assert d["schemaVersion"] >= 36 and d["id"] is None  # importable into any instance
     variables = {v["name"]: v for v in d["templating"]["list"]}
@@ -190,7 +160,7 @@ def test_dashboard_structure_grafana_needs():
     for v in d["templating"]["list"]:
         if v["type"] == "query":
             assert v["datasource"] == DS_REF, v["name"]
-            selector, label = _label_values(v)
+            selector, label = label_values_args(v)
             assert v["definition"] == v["query"]["query"]
             assert _var_refs(selector) <= defined, v["name"]
             assert v["multi"] == v["includeAll"]
@@ -199,7 +169,7 @@ def test_dashboard_structure_grafana_needs():
         defined.add(v["name"])
 
     ids, rects = set(), []
-    panels = list(_all_panels(d["panels"]))
+    panels = list(all_panels(d["panels"]))
     for p in panels:
         assert isinstance(p["id"], int) and p["id"] not in ids, p.get("title")
         ids.add(p["id"])
@@ -212,7 +182,7 @@ def test_dashboard_structure_grafana_needs():
             assert not overlap, (p["title"], other)
         rects.append((p["title"], g))
 
-    query_panels = _query_panels(d)
+    query_panels = panels_with_queries(d)
     assert {p["type"] for p in query_panels} >= {"timeseries", "heatmap", "state-timeline",
                                                  "table"}
     for p in query_panels:
@@ -278,8 +248,8 @@ def _substitute(expr: str, values: dict[str, str]) -> str:
 
 def test_every_dashboard_query_returns_series_from_a_live_prometheus(tmp_path):
     prometheus_tool("prometheus")  # fail early, with the install hint, if it is missing
-    d = _dashboard()
-    exprs = _dashboard_exprs(d)
+    d = dashboard_json()
+    exprs = dashboard_exprs(d)
     variables = [v for v in d["templating"]["list"] if v["type"] == "query"]
 
     sink = PrometheusSink(port=0)
@@ -338,7 +308,7 @@ def _variable_values(web, variables):
     have values in Prometheus (each variable query is checked this way too)."""
     first = {}
     for v in variables:  # in order: later selectors use earlier values
-        selector, label = _label_values(v)
+        selector, label = label_values_args(v)
         sel = _substitute(selector, {**{k: ".*" for k in ("layer", "head")}, **first})
         vals = _api(web, f"label/{label}/values", **{"match[]": sel})
         if not vals:

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from test_dashboards import _dashboard, _dashboard_exprs, _prom_rules, promql_metric_names
+from _helpers import dashboard_exprs, dashboard_json, prometheus_rules, promql_metric_names
 
 from flashwatch import HeadRecord, Mode, StepReport, metrics
 from flashwatch.integrations import shared
@@ -136,8 +136,8 @@ def _generator():
 
 
 def test_dashboard_and_rules_use_only_table_metrics_and_show_every_one():
-    exprs = _dashboard_exprs(_dashboard()) + [r["expr"] for r in _prom_rules()]
-    recorded = {r["record"] for r in _prom_rules() if "record" in r}
+    exprs = dashboard_exprs(dashboard_json()) + [r["expr"] for r in prometheus_rules()]
+    recorded = {r["record"] for r in prometheus_rules() if "record" in r}
     used = set().union(*(promql_metric_names(e) for e in exprs)) - recorded - {"up"}
     assert used == set(METRIC_NAMES)
 
