@@ -386,3 +386,50 @@ def label_values_args(var) -> tuple[str, str]:
     m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
     assert m, f"variable {var['name']}: not a label_values(selector, label) query"
     return m.group(1), m.group(2)
+
+
+# reproduction/score.py tests (test_score, test_score_stats): run directories as
+# reproduction.run writes them, with losses and head records chosen by the test.
+FLAT = 2.0  # the loss of a run that neither spikes nor degrades
+N = 1000  # steps per synthetic run
+_SCORE_HEAD = dict(layer="transformer.h.0.attn", head=0, tied_rowmax_ratio=0.1,
+                   attention_max_logit=10.0, delta_drift_z=0.0, delta_coherence=0.0,
+                   wq_spectral_norm=1.0, delta_error_share=0.0, delta_error_share_mean=0.0,
+                   head_mode="STANDARD", recommended_mode="STANDARD", flagged=False)
+
+
+def write_run(root, config, arm, seed, losses, *, head=None, grad=None, events=None,
+              warmup=50, every=5):
+    """ROOT/CONFIG/ARM-sSEED as reproduction.run writes it. head(t): overrides of
+    _SCORE_HEAD's fields at monitored step t (a dict for one head, a list of dicts for
+    several); grad(t): the gradient norm; events: {step: [event dicts]}."""
+    d = root / config / f"{arm}-s{seed}"
+    d.mkdir(parents=True)
+    grad = grad or (lambda t: 1.0)
+    with open(d / "train.jsonl", "w") as f:
+        for t, x in enumerate(losses):
+            f.write(json.dumps({"step": t, "loss": x, "grad_norm": grad(t), "lr": 0.0,
+                                "seconds": 0.0, "monitored": t % every == 0}) + "\n")
+    with open(d / "flashwatch.jsonl", "w") as f:
+        for t in range(0, len(losses), every):
+            over = head(t) if head else {}
+            heads = [{**_SCORE_HEAD, **o, "head": i}
+                     for i, o in enumerate(over if isinstance(over, list) else [over])]
+            f.write(json.dumps({"step": t, "heads": heads, "events": (events or {}).get(t, []),
+                                "full": True}) + "\n")
+    tail = losses[-100:]
+    (d / "summary.json").write_text(json.dumps({
+        "config": config, "arm": arm, "seed": seed, "settings": {"warmup": warmup},
+        "final_loss_mean_last100": sum(tail) / len(tail)}))
+    return d
+
+
+def spike_at(step):
+    """Losses flat until a non-finite loss at `step`: first_spike gives exactly `step`."""
+    return [FLAT] * step + [math.nan]
+
+
+def logit_above(*spans):
+    """Max logit 150 (over the 100 threshold) on [a, b) spans, 10 elsewhere."""
+    return lambda t: dict(attention_max_logit=150.0 if any(a <= t < b for a, b in spans)
+                          else 10.0)
