@@ -433,3 +433,11 @@ def logit_above(*spans):
     """Max logit 150 (over the 100 threshold) on [a, b) spans, 10 elsewhere."""
     return lambda t: dict(attention_max_logit=150.0 if any(a <= t < b for a, b in spans)
                           else 10.0)
+
+
+# HeadSignals tests (test_signals, test_signals_brute_force): a planted direction.
+def unit_rank1(n, k, g):
+    """n fixed unit rank-1 k×k matrices a bᵀ (‖a bᵀ‖_F = 1), float64, from generator g."""
+    a = torch.randn(n, k, 1, generator=g, dtype=torch.float64)
+    b = torch.randn(n, 1, k, generator=g, dtype=torch.float64)
+    return (a / a.norm(dim=1, keepdim=True)) @ (b / b.norm(dim=2, keepdim=True))
