@@ -172,16 +172,23 @@ def test_train_log_baselines(tmp_path):
 
 
 def test_scores_never_look_ahead(tmp_path):
-    def head(t):
+    def head(t):  # every detector's input varies, so a look-ahead changes its score
         return dict(attention_max_logit=10.0 + t / 10, wq_spectral_norm=1.0 + t / 500,
-                    tied_rowmax_ratio=(t % 70) / 100, delta_drift_z=math.sin(t))
+                    tied_rowmax_ratio=(t % 70) / 100, delta_drift_z=math.sin(t),
+                    delta_sign_z=math.cos(t), delta_error_share_mean=(t % 30) / 100)
+    advice = dict(step=300, layer="transformer.h.0.attn", head=0, from_mode="STANDARD",
+                  to_mode="BETA", reason="drift z 5 ≥ 4", applied=False)
     d = write_run(tmp_path, "c", "unmitigated", 0, [FLAT + math.sin(t) for t in range(N)],
-                  head=head, grad=lambda t: 1.0 + (t % 13))
+                  head=head, grad=lambda t: 1.0 + (t % 13), events={300: [advice]})
     reports = load_run(d)["reports"]
     train = read_jsonl(d / "train.jsonl")
     full = S.detector_scores(reports, train, 50)
     cut = S.detector_scores([r for r in reports if r["step"] <= 600], train[:601], 50)
+    assert set(cut) == set(full) == {"drift_z", "sign_z", "delta_share", "wq_growth",
+                                     "tie_trend", "logit_growth", "max_logit", "policy",
+                                     "loss_ema", "grad_jump"}
     for name, (steps, values) in cut.items():
+        assert len(set(values[np.isfinite(values)])) > 1, name  # not constant, not all NaN
         assert np.array_equal(steps, full[name][0][:len(steps)]), name
         np.testing.assert_array_equal(values, full[name][1][:len(values)], err_msg=name)
         assert steps[-1] >= 595, name

@@ -170,6 +170,7 @@ def test_basin_counts_runs_ending_high_and_scores_the_early_loss_level(tmp_path,
     clip = res["arms"]["clip"]
     assert (clip["high"], clip["b"], clip["c"]) == (0, 2, 0)
     assert clip["mcnemar_p"] == S.mcnemar_exact(2, 0)
+    assert sorted(res["auroc"]) == [100, 200, 300, 500, 800]
     assert all(row["loss_level"] == 1.0 for row in res["auroc"].values())
     assert S.main(["--root", str(tmp_path), "--config", "c", "--basin", "2.5",
                    "--arms-compare", "clip", "--json"]) == 0
