@@ -9,7 +9,8 @@ As a dict keyed by module name, each value `make_site`'s keyword arguments:
 
 or as a list of `AttentionSite` (e.g. `find_sites(model) + [make_site(model, ...)]` to add
 one custom layer to those found automatically). flashwatch/sites.py holds AttentionSite,
-discovery's entry point and the checks every site passes (orientation, overlap).
+discovery's entry point and the checks every site passes (overlap; orientation, in
+flashwatch/orientation.py).
 """
 
 from __future__ import annotations

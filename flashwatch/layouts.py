@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashwatch.orientation import _autocast_off, _plain_call
+
 LAYOUTS = ("q", "per_head_qkv", "per_group_qkv", "per_head_q_gate")
 # Children holding a norm applied to q (QK-norm): Qwen3, Gemma3, OLMo2, Qwen3-Next
 # (q_norm), Cohere/StableLM/Persimmon style (q_layernorm, query_layernorm).
@@ -178,7 +180,7 @@ class QCheck:
         if x.dim() != 3 or x.shape[:2] != (B, N) or (H, D) != (site.num_heads, site.head_dim):
             return False
         n = min(N, QCHECK_ROWS)
-        with _no_autocast(x.device):
+        with _autocast_off(x.device.type):
             # .forward, not __call__: no hooks, so the watcher's own X hook keeps the
             # layer's X (a sharded q_module needs its gathered weights: hooks and all)
             out = _call(site.q_module)(x[:1, :n])
@@ -217,13 +219,5 @@ class QCheck:
 
 
 def _call(module: nn.Module):
-    from flashwatch.sites import _plain_call
-
     plain = _plain_call(module)
     return module.forward if plain is module else plain
-
-
-def _no_autocast(device: torch.device):
-    from flashwatch.sites import _autocast_off
-
-    return _autocast_off(device.type)
