@@ -441,3 +441,29 @@ def unit_rank1(n, k, g):
     a = torch.randn(n, k, 1, generator=g, dtype=torch.float64)
     b = torch.randn(n, 1, k, generator=g, dtype=torch.float64)
     return (a / a.norm(dim=1, keepdim=True)) @ (b / b.norm(dim=2, keepdim=True))
+
+
+# Site tests (test_sites, test_explicit_sites): what a site's q_module and SDPA see.
+def capture_q_and_x(model, sites, monkeypatch, idx):
+    """Run the model; per site return (X at q_module's input, q as SDPA received it)."""
+    current, xs, qs = [None], {}, {}
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, **kwargs):
+        qs[current[0]] = q.detach().clone()
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    handles = []
+    for site in sites:
+        handles.append(site.module.register_forward_pre_hook(
+            lambda m, a, name=site.name: current.__setitem__(0, name)))
+        handles.append(site.q_module.register_forward_pre_hook(
+            lambda m, a, name=site.name: xs.__setitem__(name, a[0].detach().clone())))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    try:
+        with torch.no_grad():
+            model(idx)
+    finally:
+        for h in handles:
+            h.remove()
+    return xs, qs

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_sites import _capture_q_and_x
+from _helpers import capture_q_and_x
 from torch import nn
 
 from flashwatch.explicit_sites import make_site
@@ -22,7 +22,7 @@ def test_explicit_sites_as_dict(monkeypatch):
             for s in sites] == [("blocks.0.attn", "explicit", 4, 4, 8, 32),
                                 ("blocks.1.attn", "explicit", 4, 4, 8, 32)]
     assert sites[0].q_module is model.blocks[0].attn.qkv
-    xs, qs = _capture_q_and_x(model, sites, monkeypatch, torch.randint(0, 64, (1, 5)))
+    xs, qs = capture_q_and_x(model, sites, monkeypatch, torch.randint(0, 64, (1, 5)))
     for site in sites:
         b = site.q_module.bias.detach()[:32].view(4, 1, 8)
         want = torch.einsum("btc,hdc->bhtd", xs[site.name], site.wq()) + b

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from _helpers import capture_q_and_x
 from torch import nn
 
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
@@ -35,31 +35,6 @@ MODELS = {
         "gpt2_conv1d", 4, 4, 8, 32, "c_attn", lambda site: site.module.c_attn.weight[:, :32].T,
     ),
 }
-
-
-def _capture_q_and_x(model, sites, monkeypatch, idx):
-    """Run the model; per site return (X at q_module's input, q as SDPA received it)."""
-    current, xs, qs = [None], {}, {}
-    real_sdpa = F.scaled_dot_product_attention
-
-    def sdpa(q, k, v, *args, **kwargs):
-        qs[current[0]] = q.detach().clone()
-        return real_sdpa(q, k, v, *args, **kwargs)
-
-    handles = []
-    for site in sites:
-        handles.append(site.module.register_forward_pre_hook(
-            lambda m, a, name=site.name: current.__setitem__(0, name)))
-        handles.append(site.q_module.register_forward_pre_hook(
-            lambda m, a, name=site.name: xs.__setitem__(name, a[0].detach().clone())))
-    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
-    try:
-        with torch.no_grad():
-            model(idx)
-    finally:
-        for h in handles:
-            h.remove()
-    return xs, qs
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -100,7 +75,7 @@ def test_wq_reproduces_the_q_that_attention_receives(family, monkeypatch):
             nn.init.normal_(p, std=0.5)
     sites = find_sites(model)
     idx = torch.randint(0, 64, (2, 7))
-    xs, qs = _capture_q_and_x(model, sites, monkeypatch, idx)
+    xs, qs = capture_q_and_x(model, sites, monkeypatch, idx)
     for site in sites:
         start, stop = site.q_slice_of_output
         bias = getattr(site.q_module, "bias", None)
