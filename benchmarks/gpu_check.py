@@ -368,7 +368,8 @@ STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead",
 # FLASHWATCH_TRITON_AUTOTUNE=0: one fixed config per kernel variant, so the compiles fit.
 # test_triton_tuning.py is left out: it checks the autotuner, which this turns off.
 NATIVE_TESTS = ("test_triton_api.py", "test_triton_attention.py", "test_triton_backward.py",
-                "test_triton_helpers.py", "test_triton_masks.py")
+                "test_triton_helpers.py", "test_triton_masks.py",
+                "test_triton_sliding_window.py")
 
 
 def native_tests(name: str, dry: bool) -> dict:

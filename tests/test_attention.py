@@ -324,7 +324,7 @@ def test_the_kernels_level_reference_takes_the_same_mask_and_softcap_bit_for_bit
 # ---------------------------------------------------------------------------------------
 # sliding_window (issue 28 item 6): Mistral's and Gemma2's window, Hugging Face's
 # sliding_window_overlay (query i sees key j iff i - j < window), on the reference and
-# the paper backends. The Triton kernels: tests/test_sliding_window.py.
+# the paper backends. The Triton kernels: tests/test_triton_sliding_window.py.
 
 
 def _window_mask(nq, nk, window, causal):

@@ -129,11 +129,11 @@ class Scores(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _fw_attention(self, q, k, v, *, causal=False, scale=None, attn_mask=None,
-                      softcap=None):
+                      softcap=None, backend="auto"):
         self._seen(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
                    softcap=softcap)
         return dispatch.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask,
-                                  softcap=softcap)
+                                  softcap=softcap, backend=backend)
 
     def _seen(self, *args, **kwargs):
         name = self.current[0]
@@ -388,8 +388,10 @@ def test_masked_hf_calls_run_the_triton_kernels(monkeypatch, arch):
         own.set_attn_implementation("eager")
     ref = copy.deepcopy(own).double()
     if arch != "mistral":  # its calls are flashwatch.attention's: "auto" is Triton on CUDA
-        monkeypatch.setattr(hf_attention, "dispatch", SimpleNamespace(
-            attention=functools.partial(dispatch.attention, backend="triton")))
+        def auto_is_triton(*args, backend="auto", **kwargs):
+            return dispatch.attention(*args, backend="triton" if backend == "auto"
+                                      else backend, **kwargs)
+        monkeypatch.setattr(hf_attention, "dispatch", SimpleNamespace(attention=auto_is_triton))
     calls = []
     forward = triton_attention.forward
     monkeypatch.setattr(triton_attention, "forward",

@@ -113,13 +113,18 @@ def test_the_policy_sees_each_heads_delta_error_share():
         assert share > 0 and f"W^Q gradient {share:.3g}" in e.reason
 
 
-def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
-    def masked(q, k, v):
-        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+def learned_bias(q, k, v):
+    """Causal attention with an additive mask that requires grad (a learned bias, as T5's
+    relative position bias): the one mask the Triton kernels refuse (NotInKernel)."""
+    n = q.shape[2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    bias = torch.zeros(n, n).masked_fill(~causal, float("-inf")).requires_grad_()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).sum()
 
-    model = nn.Sequential(SmallAttention(masked))
-    # the Triton kernels run no mask (the reference does: tests/test_capture.py)
+
+def test_mask_layers_cannot_be_mitigated_warn_once_and_are_still_measured(caplog):
+    model = nn.Sequential(SmallAttention(learned_bias))
+    # the Triton kernels give a mask no gradient (the reference does: tests/test_capture.py)
     w = fw.watch(model, every_n_steps=1, backend="triton")
     w.set_head_modes("0", [Mode.BETA, Mode.STANDARD])
     x = torch.randn(2, 8, 32)
@@ -139,12 +144,8 @@ def test_modes_that_never_ran_are_withdrawn_and_reported_as_what_ran():
     """A report is a promise: the mask keeps the layer on SDPA, so its user event turns
     applied=False (in watcher.events and as a copy in the report), the heads report the
     STANDARD mode they ran, and the error is counted, once per report."""
-    def masked(q, k, v):
-        mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
-
-    model = nn.Sequential(SmallAttention(masked))
-    w = fw.watch(model, every_n_steps=1, backend="triton")  # runs no mask
+    model = nn.Sequential(SmallAttention(learned_bias))
+    w = fw.watch(model, every_n_steps=1, backend="triton")  # gives the mask no gradient
     x = torch.randn(2, 8, 32)
     model(x).backward()
     w.step()
