@@ -7,8 +7,10 @@ CPU-only machine, and measures registers and spills per autotune config with ptx
   python benchmarks/compile_check.py --spills [--dtypes bf16 fp16]
       every candidate config of flashwatch/kernels/triton_tuning.py (forward with STATS on and off:
       ptxas allocates them differently), a table of registers / spill bytes; exits 1 if a
-      config inside the tuned space (FWD_SPACE, BWD_SPACE) spills. --space: only those.
-      --causal 1: only the causal variant (a superset of the non-causal code).
+      config inside the tuned space (triton_tuning.tuned_space) spills. --space: only
+      those. --causal 1: only the causal variant (a superset of the non-causal code).
+      --masked: the attn_mask / softcap / sliding-window variants (MASKED below), checked
+      against their own spaces (FWD_SPACE_MASKED, BWD_SPACE_MASKED).
 """
 
 from __future__ import annotations
@@ -87,44 +89,56 @@ def quick_jobs(dtypes):
     jobs = []
     for dt in dtypes:
         for d in (64, 128):
-            fwd, bwd = tuning.FWD_FIXED[d], tuning.BWD_FIXED[d]
             for causal in (False, True):
                 for stats, extra in [(False, PLAIN), (True, PLAIN)] + [(True, m) for m in MASKED]:
-                    c = dict(D=d, BLOCK_M=fwd[0], BLOCK_N=fwd[1], CAUSAL=causal,
-                             STATS=stats, INTERPRET=False, **extra)
-                    jobs.append((ta._fwd_kernel, dt, c, *fwd[2:]))
-                for extra in [PLAIN, *MASKED]:
-                    c = dict(D=d, BLOCK_M=bwd[0], BLOCK_N=bwd[1], CAUSAL=causal,
+                    bm, bn, w, s = fixed(ta._fwd_kernel, d, extra)
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=stats,
                              INTERPRET=False, **extra)
-                    jobs.append((ta._bwd_kernel, dt, c, *bwd[2:]))
+                    jobs.append((ta._fwd_kernel, dt, c, w, s))
+                for extra in [PLAIN, *MASKED]:
+                    bm, bn, w, s = fixed(ta._bwd_kernel, d, extra)
+                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False,
+                             **extra)
+                    jobs.append((ta._bwd_kernel, dt, c, w, s))
             for fn in (ta._bwd_prep, ta._bwd_dq_out):
                 jobs.append((fn, dt, dict(D=d, BLOCK_M=64, INTERPRET=False), 4, 1))
     return jobs
 
 
-def spill_jobs(dtypes, causals):
-    """Every candidate config of the forward (STATS on and off) and the backward."""
+def spill_jobs(dtypes, causals, masked=False):
+    """Every candidate config of the forward (STATS on and off) and the backward, plain or
+    (masked) in each of the MASKED variants."""
     jobs = []
-    for dt in dtypes:
-        for d in (64, 128):
-            for causal in map(bool, causals):
-                for (bm, bn, w, s), stats in itertools.product(tuning.FWD_CANDIDATES,
-                                                                (True, False)):
-                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=stats,
-                             INTERPRET=False, **PLAIN)
-                    jobs.append((ta._fwd_kernel, dt, c, w, s))
-                for bm, bn, w, s in tuning.BWD_CANDIDATES:
-                    c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False,
-                             **PLAIN)
-                    jobs.append((ta._bwd_kernel, dt, c, w, s))
+    for dt, d, causal, extra in itertools.product(dtypes, (64, 128), map(bool, causals),
+                                                  MASKED if masked else [PLAIN]):
+        for (bm, bn, w, s), stats in itertools.product(tuning.FWD_CANDIDATES, (True, False)):
+            c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, STATS=stats,
+                     INTERPRET=False, **extra)
+            jobs.append((ta._fwd_kernel, dt, c, w, s))
+        for bm, bn, w, s in tuning.BWD_CANDIDATES:
+            c = dict(D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, INTERPRET=False, **extra)
+            jobs.append((ta._bwd_kernel, dt, c, w, s))
     return jobs
+
+
+def _space(fn, consts) -> list[tuple]:
+    """The tuned space of this kernel variant (triton_tuning.tuned_space)."""
+    masked = tuning.is_masked(consts["MASK_KIND"], consts["SOFTCAP"])
+    return tuning.tuned_space(consts["D"], backward=fn is ta._bwd_kernel, masked=masked,
+                              autotune=True)
+
+
+def fixed(fn, d, extra) -> tuple:
+    """The FLASHWATCH_TRITON_AUTOTUNE=0 config of this kernel variant."""
+    masked = tuning.is_masked(extra["MASK_KIND"], extra["SOFTCAP"])
+    return tuning.tuned_space(d, backward=fn is ta._bwd_kernel, masked=masked,
+                              autotune=False)[0]
 
 
 def in_space(fn, consts, warps, stages) -> bool:
     if fn not in (ta._fwd_kernel, ta._bwd_kernel):
         return True
-    space = tuning.FWD_SPACE if fn is ta._fwd_kernel else tuning.BWD_SPACE
-    return (consts["BLOCK_M"], consts["BLOCK_N"], warps, stages) in space[consts["D"]]
+    return (consts["BLOCK_M"], consts["BLOCK_N"], warps, stages) in _space(fn, consts)
 
 
 def main() -> int:
@@ -135,11 +149,13 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"], choices=["bf16", "fp16"])
     ap.add_argument("--space", action="store_true", help="--spills: only the configs "
                     "inside the tuned space")
+    ap.add_argument("--masked", action="store_true", help="--spills: the attn_mask, "
+                    "softcap and sliding-window variants instead of the plain kernels")
     ap.add_argument("--causal", nargs="+", type=int, default=[0, 1], choices=[0, 1],
                     help="--spills: 1 alone measures the causal variant (a superset of the "
                     "non-causal code: one more compare in the masked loops)")
     args = ap.parse_args()
-    jobs = (spill_jobs(args.dtypes, args.causal) if args.spills
+    jobs = (spill_jobs(args.dtypes, args.causal, args.masked) if args.spills
             else quick_jobs(args.dtypes))
     if args.space:
         jobs = [j for j in jobs if in_space(j[0], j[2], j[3], j[4])]
