@@ -384,6 +384,7 @@ HF_ARCHS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", "causal", dict(bos_token_id=1, eos_token_id=2)),
     "opt": ("OPTConfig", "OPTForCausalLM", "causal", dict()),
     "bert": ("BertConfig", "BertModel", "encoder", dict()),
+    "roberta": ("RobertaConfig", "RobertaModel", "encoder", dict(pad_token_id=1)),
     "vit": ("ViTConfig", "ViTModel", "vision", dict()),
     "t5": ("T5Config", "T5Model", "seq2seq", dict()),
     "bart": ("BartConfig", "BartModel", "seq2seq", dict()),
