@@ -9,7 +9,7 @@ must still compile. A failure names the file and the line of the block's fence.
 
 Also checked: the README's metrics table is flashwatch/metrics.py's, the README links
 every page of docs/, relative links lead to files, and docs/design.md's module map names
-every module.
+every module, benchmark, shared test file and docs page, and no module that is not there.
 """
 
 from __future__ import annotations
@@ -176,15 +176,43 @@ def test_relative_links_point_at_files():
     assert not broken, broken
 
 
-def test_design_module_map_names_every_module():
-    """docs/design.md §2 names every module of flashwatch/ and its kernels/ and integrations/."""
+def _module_map() -> str:
     design = (DOCS / "design.md").read_text()
-    section = design.split("## 2.", 1)[1].split("\n## 3.", 1)[0]
-    dirs = ("flashwatch", "flashwatch/kernels", "flashwatch/integrations")
-    missing = [f"{d}/{p.name}" for d in dirs
-               for p in sorted((ROOT / d).glob("*.py"))
-               if p.name != "__init__.py" and p.name not in section]
+    return design.split("## 2.", 1)[1].split("\n## 3.", 1)[0]
+
+
+def _names(name: str, text: str) -> bool:
+    """Whether `text` names the file `name` as a whole word: "sites.py" is not named by
+    "explicit_sites.py", nor "ops.py" by "smallops.py"."""
+    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
+
+
+MODULE_DIRS = ("flashwatch", "flashwatch/kernels", "flashwatch/integrations")
+
+
+def test_design_module_map_names_every_module():
+    """docs/design.md §2 names every module of flashwatch/ and its kernels/ and
+    integrations/, every benchmark script, every test file that is not a test_*.py, and
+    every page of docs/."""
+    section = _module_map()
+    files = [ROOT / d / p.name for d in MODULE_DIRS for p in sorted((ROOT / d).glob("*.py"))
+             if p.name != "__init__.py"]
+    files += sorted((ROOT / "benchmarks").glob("*.py"))
+    files += [p for p in sorted((ROOT / "tests").glob("*.py"))
+              if not p.name.startswith("test_") and p.name != "__init__.py"]
+    files += [p for p in sorted(DOCS.glob("*.md")) if p.name != "design.md"]
+    missing = [str(p.relative_to(ROOT)) for p in files if not _names(p.name, section)]
     assert not missing, f"docs/design.md §2 (module map) does not name {missing}"
+
+
+def test_design_module_map_names_no_module_that_does_not_exist():
+    """Every *.py the map's flashwatch/ block names is a module of the package."""
+    section = _module_map()
+    start = section.index("flashwatch/    the core")
+    block = section[start:section.index("\ndashboards/", start)]
+    modules = {p.name for d in MODULE_DIRS for p in (ROOT / d).glob("*.py")}
+    named = set(re.findall(r"(?<![\w/])(\w+\.py)\b", block))
+    assert named and not named - modules, sorted(named - modules)
 
 
 def test_readme_stays_a_ten_minute_read():
