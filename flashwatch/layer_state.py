@@ -15,7 +15,7 @@ of tracing watcher code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,10 +49,11 @@ class StepBuffers:
     sampled: bool = False  # a probed call of this step measured only some of its rows
     o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
     o32_paper: bool = False  # ... made by backend="paper", whose δ is a BF16 rowsum
-    # (sample, every_row, rows of the call) of calls made without grad, for a reentrant
-    # checkpoint's recompute to hook
+    # probing.ProbedCall of calls made without grad, for a reentrant checkpoint's
+    # recompute to hook
     no_grad_samples: list = field(default_factory=list)
-    # (sample, None, rows) of the step's traced calls by call id, until their gradient
+    # probing.ProbedCall (every_row None) of the step's traced calls by call id, until
+    # their gradient
     traced_pending: dict = field(default_factory=dict)
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     forwards: int = 0  # measured eager forwards of the module (flashwatch/attach.py)
@@ -79,6 +80,16 @@ class CompileFacts:
     dropout_seen: bool = False  # called SDPA with attention dropout while measured
     fw_seen: bool = False  # made a flashwatch.attention call while measured
     traced: bool = False  # its compiled forward runs the traced probe on measured steps
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceConstants:
+    """A layer's sketch matrices and head indices on one device (`LayerState.on_device`)."""
+
+    omega_x: torch.Tensor  # [d_model, k]
+    omega_a: torch.Tensor  # [d_head, k]
+    omega_q: torch.Tensor  # [d_head, k]
+    heads: torch.Tensor  # [H] int64
 
 
 @dataclass
@@ -108,16 +119,18 @@ class LayerState:
     wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
     stopped_clip: bool = False  # QK-clip was told to stop for it (wq_refused)
     silent_reported: bool = False  # "no attention call seen" was reported
-    device_cache: dict = field(default_factory=dict)  # device -> (Ω_x, Ω_a, Ω_q, heads)
+    device_cache: dict = field(default_factory=dict)  # device -> DeviceConstants
     buf: StepBuffers | None = None
     compiled: CompileFacts = field(default_factory=CompileFacts)
 
-    def on_device(self, device) -> tuple:
-        """(Ω_x, Ω_a, Ω_q, heads) on `device`, moved once per run, not once per call."""
+    def on_device(self, device) -> DeviceConstants:
+        """Ω_x, Ω_a, Ω_q and heads on `device`, moved once per run, not once per call."""
         got = self.device_cache.get(device)
         if got is None:
-            got = tuple(to_device(x, device) for x in (self.omega_x, self.omega_a,
-                                                       self.omega_q, self.heads))
+            got = DeviceConstants(omega_x=to_device(self.omega_x, device),
+                                  omega_a=to_device(self.omega_a, device),
+                                  omega_q=to_device(self.omega_q, device),
+                                  heads=to_device(self.heads, device))
             self.device_cache[device] = got
         return got
 
@@ -134,6 +147,36 @@ class LayerState:
         return (traced.SUPPORTED and c.sdpa_seen and not c.fw_seen and not c.checkpointed
                 and not c.dropout_seen and not self.routed and not self.shadowed
                 and (self.site.q_module is None or c.q_path is not None))
+
+    def not_applied(self) -> str | None:
+        """Why its non-STANDARD modes did not run since the last report, if they
+        did not; None if they ran or the layer had no call to judge by."""
+        if not bool(self.modes.any()):
+            return None
+        if self.shadowed:
+            return ("its instance attribute `forward` hides flashwatch's wrapper, so its "
+                    "attention calls never reach flashwatch")
+        if self.fallback_calls > 0:
+            return self.unmitigable
+        if self.module_calls > 0 and self.routed_calls == 0:
+            return (f"its module ran {self.module_calls} time(s) with head modes set but made "
+                    f"no attention call flashwatch could route (neither "
+                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
+        if self.module_calls == 0 and self.routed_calls == 0:
+            return self.unmitigable  # not called since: the last thing known
+        return None
+
+    def withdraw(self, reason: str, unreported: list) -> list:
+        """Mark its pending mode events applied=False (`not_applied` gave `reason`);
+        returns copies of those not in `unreported`, to go out with this report."""
+        out = []
+        for e in self.pending:
+            e.applied = False
+            e.reason = f"{e.reason}; not applied: {reason}"
+            if not any(e is u for u in unreported):
+                out.append(replace(e))
+        self.pending.clear()
+        return out
 
     def reset(self) -> None:
         """Fresh step buffers, on the device the last step's calls ran on."""

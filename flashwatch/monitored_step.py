@@ -32,10 +32,10 @@ from flashwatch.distributed import RemoteFailure, spectral_norms
 from flashwatch.kernels.common import Mode
 from flashwatch.layer_state import LayerState
 from flashwatch.ledger import ErrorLedger
-from flashwatch.policy import Policy
+from flashwatch.policy import Decision, Policy
 from flashwatch.qkclip import QKClip
-from flashwatch.report import HeadRecord, StepReport
-from flashwatch.signals import HeadSignals
+from flashwatch.report import Event, HeadRecord, StepReport
+from flashwatch.signals import HeadSignals, SignalValues
 
 # Stop the warm-started power iteration of a sharded W^Q (FSDP2; whole weights use the
 # Gram matrix, flashwatch/spectral.py) once σ changes by less than this between
@@ -43,6 +43,16 @@ from flashwatch.signals import HeadSignals
 # layer against ≈ 7 on the benchmark GPT for digits no rule reads (error against
 # matrix_norm stays < 1e-3: tests/test_distributed.py).
 SPECTRAL_TOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decided:
+    """What a monitored step decided, after the vote (`StepPipeline._decide_together`)."""
+
+    decision: Decision | None  # None: nothing decided here, or the vote overrode it
+    values: SignalValues | None  # None: signals not updated this step
+    arrays: aggregate.HeadArrays | None  # the reduced per-head numbers, None: none
+    clips: list  # QK-clip events of this step
 
 
 class StepPipeline:
@@ -62,6 +72,26 @@ class StepPipeline:
         self.confirmed: list = []  # mode events seen run since the last report
         self.source = 0  # the rank whose decisions a disagreeing vote adopts
         self.realign_to: int | None = None  # step count the ranks agreed on, if moved
+
+    def user_change(self, st: LayerState, new: torch.Tensor, step: int) -> None:
+        """Modes set by hand (Watcher.set_head_modes): an event per changed head, out
+        with the next report and applied once a report sees it run; those heads' signals
+        and policy judge the new mode on what comes after it only."""
+        changed = torch.zeros(len(self.heads), dtype=torch.bool)
+        for h in range(st.site.num_heads):
+            if int(new[h]) != int(st.modes[h]):
+                changed[st.offset + h] = True
+                event = Event(step=step, layer=st.site.name, head=h,
+                              from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
+                              reason="set by user", applied=True)
+                self.events.append(event)
+                self.unreported.append(event)  # goes out with the next report
+                if event.to_mode != Mode.STANDARD:
+                    st.pending.append(event)  # applied once a report sees it run
+        self.set_modes(st, new)
+        if changed.any():
+            self.signals.reset_window(changed)
+            self.policy.restart(changed)
 
     def run(self, step: int) -> StepReport:
         """A monitored step's report. Every rank issues the same collectives in the same
@@ -83,23 +113,23 @@ class StepPipeline:
                 self.ledger.error("step totals", e)
         self.recorder.clear_step()
         red = self._exchange(local, step)
-        decision, values, arrays, clips = self._decide_together(step, red)
-        if arrays is None:
+        decided = self._decide_together(step, red)
+        if decided.arrays is None:
             raise RuntimeError(f"no numbers to report at step {step}: "
                                f"{self.monitor.broken or 'see the errors logged above'}")
-        return self._report(step, arrays, values, decision, clips, not_applied, withdrawn)
+        return self._report(step, decided, not_applied, withdrawn)
 
     def _judge_modes(self) -> tuple[dict, list]:
         """Which layers' non-STANDARD modes did not run since the last report, and the
         events withdrawn for it (local facts: each rank reports its own)."""
         not_applied, withdrawn = {}, []
         for st in self.states:
-            reason = self._not_applied(st)
+            reason = st.not_applied()
             if reason is not None:  # say so, never claim the modes applied
                 not_applied[st.site.name] = reason
                 if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
                     self.ledger.error(f"mitigation {st.site.name}", RuntimeError(reason))
-                    withdrawn += self._withdraw(st, reason)
+                    withdrawn += st.withdraw(reason, self.unreported)
                     st.silent_reported |= not st.buf.calls  # said, with its modes
             elif st.routed_calls > 0:
                 self.confirmed += [e for e in st.pending if e.applied]
@@ -189,7 +219,7 @@ class StepPipeline:
                               f"no mode changes are decided from it")
         return red
 
-    def _decide_together(self, step: int, red):
+    def _decide_together(self, step: int, red) -> Decided:
         """finish → signals → policy → QK-clip plan, then a vote that every rank issues:
         if any rank failed (or holds other modes), every rank takes the state of the
         lowest rank that did not fail, so modes stay identical everywhere."""
@@ -215,7 +245,7 @@ class StepPipeline:
             clip_plan = None  # weights change only where every rank agreed
             self._heal()
         clips = self._safe_qk_clip(step, arrays, clip_plan)
-        return decision, values, arrays, clips
+        return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
 
     def _decide(self, step: int, a: aggregate.HeadArrays):
         t = torch.from_numpy
@@ -241,8 +271,9 @@ class StepPipeline:
         except Exception as e:
             self.ledger.error("vote", e)
             return False
-        self.source = int(-vote[3])  # the lowest rank that did not fail
-        agree = vote[0] == 0 and vote[1] == -vote[2]
+        any_failed, max_hash, neg_min_hash, neg_source = vote.tolist()
+        self.source = int(-neg_source)  # the lowest rank that did not fail
+        agree = any_failed == 0 and max_hash == -neg_min_hash
         if not agree:
             self.ledger.warn_once("vote", "flashwatch: ranks disagreed at a monitored step (a "
                               "rank failed, or holds other head modes); every rank takes "
@@ -283,7 +314,8 @@ class StepPipeline:
             self.signals.reset_window(decision.reset_window)
         self.events.extend(decision.events)
 
-    def _report(self, step, a, values, decision, clips, not_applied, withdrawn) -> StepReport:
+    def _report(self, step, decided: Decided, not_applied, withdrawn) -> StepReport:
+        a, values, decision = decided.arrays, decided.values, decided.decision
         n = len(self.heads)
         nan = np.full(n, np.nan)
         modes = torch.cat([st.modes for st in self.states]).long()
@@ -315,43 +347,13 @@ class StepPipeline:
                        self.heads, ran.tolist(), recommended, flagged, *columns.values(),
                        strict=True)]
         events = self.unreported + withdrawn + \
-            (list(decision.events) if decision is not None else []) + clips
+            (list(decision.events) if decision is not None else []) + decided.clips
         self.unreported = []
         report = StepReport(step=step, heads=records, events=events,
                             unmitigable=not_applied, qk_clips_total=self.qk_clip.total)
         report.confirmed = self.confirmed  # events seen run: counters count these
         self.confirmed = []
         return report
-
-    def _not_applied(self, st: LayerState) -> str | None:
-        """Why the layer's non-STANDARD modes did not run since the last report, if they
-        did not; None if they ran or the layer had no call to judge by."""
-        if not bool(st.modes.any()):
-            return None
-        if st.shadowed:
-            return ("its instance attribute `forward` hides flashwatch's wrapper, so its "
-                    "attention calls never reach flashwatch")
-        if st.fallback_calls > 0:
-            return st.unmitigable
-        if st.module_calls > 0 and st.routed_calls == 0:
-            return (f"its module ran {st.module_calls} time(s) with head modes set but made "
-                    f"no attention call flashwatch could route (neither "
-                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
-        if st.module_calls == 0 and st.routed_calls == 0:
-            return st.unmitigable  # not called since: the last thing known
-        return None
-
-    def _withdraw(self, st: LayerState, reason: str) -> list:
-        """Mark the layer's pending mode events applied=False; the copies not yet
-        reported go out with this report."""
-        out = []
-        for e in st.pending:
-            e.applied = False
-            e.reason = f"{e.reason}; not applied: {reason}"
-            if not any(e is u for u in self.unreported):
-                out.append(dataclasses.replace(e))
-        st.pending.clear()
-        return out
 
     def _qk_clip_plan(self, a) -> torch.Tensor | None:
         """The reduced max logits QK-clip will act on, checked before the vote (its

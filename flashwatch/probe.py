@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,11 +61,20 @@ def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, 
     as flashwatch.attention computes it (ties and row max are of the capped scores).
     sliding_window: query t hides key j when t - j >= sliding_window, as
     flashwatch.attention(sliding_window=) does.
-    Returns o32 [E·w, H, D], pk [E·w, H, D], tied [E·w, H] bool, row_max [E·w, H] (fp32).
+    Returns a Recomputed (o32, pk, tied, row_max).
     """
     with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
         return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap,
                           sliding_window)
+
+
+class Recomputed(NamedTuple):
+    """`recompute`'s FP32 rows, row j·w + i as in its docstring."""
+
+    o32: torch.Tensor  # [E·w, H, Dv] softmax(s) V
+    pk: torch.Tensor  # [E·w, H, D] softmax(s) K (attention-weighted keys)
+    tied: torch.Tensor  # [E·w, H] bool: a second logit within eps of the row max
+    row_max: torch.Tensor  # [E·w, H] FP32 max logit (-inf: no visible key)
 
 
 # FP32 K and V of at most this many bytes per chunk of batch elements: all of them at
@@ -130,8 +140,8 @@ def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap, window
         outs.append([x.transpose(1, 2).reshape(n * w, H, *x.shape[3:])
                      for x in (o, pk, tie, mx)])
     if len(outs) == 1:
-        return tuple(outs[0])
-    return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+        return Recomputed._make(outs[0])
+    return Recomputed._make(torch.cat(parts) for parts in zip(*outs, strict=True))
 
 
 def o_error(o_used, o32) -> torch.Tensor:

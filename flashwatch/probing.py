@@ -20,6 +20,25 @@ from flashwatch.layer_state import LayerState, to_device
 from flashwatch.ledger import ErrorLedger
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class EveryRow:
+    """What gives c on every row of a call flashwatch's kernel ran, from its dO."""
+
+    out: torch.Tensor  # [B, H, Nq, Dv] the call's output: the O its backward's δ reads
+    o32: torch.Tensor  # [B, H, Nq, Dv] the kernel's FP32 O (accumulator / l)
+    fp32_heads: torch.Tensor | None  # [H] bool, the call's device: FP32_O heads (δ exact)
+    bf16_delta: bool  # backend="paper": δ is a BF16 product and rowsum
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProbedCall:
+    """One probed call, kept for its gradient (`ProbeRecorder._grad_hook`)."""
+
+    sample: probe.Sample
+    every_row: EveryRow | None  # None: c on the sampled rows only, against the probe's O
+    rows: int  # B·Nq, rows of the call
+
+
 class ProbeRecorder:
     """Per-call measurement state shared by a watcher's layers: the row-sampling
     generator and the step's reduced totals."""
@@ -48,13 +67,13 @@ class ProbeRecorder:
                 if grad:
                     self._hook_recompute(st, out)
             else:
-                got = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
-                                  softcap, sliding_window)
-                if got is not None and grad:
+                probed = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
+                                     softcap, sliding_window)
+                if probed is not None and grad:
                     if out.requires_grad:  # the hook goes on the tensor autograd sees
-                        out.register_hook(self._grad_hook(st, *got))
+                        out.register_hook(self._grad_hook(st, probed))
                     else:  # a reentrant checkpoint's first forward: its recompute hooks it
-                        st.buf.no_grad_samples.append(got)
+                        st.buf.no_grad_samples.append(probed)
         except Exception as e:
             self.ledger.error(f"probe {st.site.name}", e)
         self.ledger.seconds += time.perf_counter() - t0
@@ -73,10 +92,10 @@ class ProbeRecorder:
                                 f"code no F.linear call on the Q projection's weight came "
                                 f"before SDPA; using q-space sketch terms and no "
                                 f"delta_error_share there")
-            got = self._probe(st, q, k, v, out, causal, scale, mask, False, x)
-            if got is not None:
+            probed = self._probe(st, q, k, v, out, causal, scale, mask, False, x)
+            if probed is not None:
                 call = next(self.traced_ids)
-                st.buf.traced_pending[call] = got
+                st.buf.traced_pending[call] = probed
         except Exception as e:
             self.ledger.error(f"probe {st.site.name}", e)
         self.ledger.seconds += time.perf_counter() - t0
@@ -87,9 +106,9 @@ class ProbeRecorder:
         further backward through it, retain_graph, counts as in eager)."""
         if self.cadence.removed:
             return
-        got = st.buf.traced_pending.get(call)
-        if got is not None:
-            self._grad_hook(st, *got)(grad)
+        probed = st.buf.traced_pending.get(call)
+        if probed is not None:
+            self._grad_hook(st, probed)(grad)
         else:  # its sample was reduced (a further backward, retain_graph) or never made
             self.warn_once(st, "traced grad", f"flashwatch: {st.site.name}: a gradient "
                             f"inside compiled code found no probed call to pair with (a "
@@ -99,7 +118,7 @@ class ProbeRecorder:
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None,
                sliding_window=None):
         """Sample rows of the call, recompute them in FP32, keep their Sample; returns
-        (sample, every_row, rows of the call) for the gradient step, None if not probed."""
+        the ProbedCall for the gradient step, None if not probed."""
         cfg = self.config
         o32_all, st.buf.o32 = (st.buf.o32 if routed else None), None
         if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
@@ -114,13 +133,12 @@ class ProbeRecorder:
             elems, tq = probe.sample_rows(self.gen, B, Nq, n_rows)
             elems = None if elems is None else to_device(elems, q.device)
             tq = to_device(tq, q.device)
-            omega_x, omega_a, omega_q, heads = st.on_device(q.device)
+            consts = st.on_device(q.device)  # Ω_x, Ω_a, Ω_q, heads
             b, t = probe.flat(elems, tq)
             st.buf.sampled = st.buf.sampled or len(b) < B * Nq  # G from some rows only
-            o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal,
-                                                     scale=scale, attn_mask=mask, eps=cfg.eps,
-                                                     softcap=softcap,
-                                                     sliding_window=sliding_window)
+            rec = probe.recompute(q, k, v, elems, tq, causal=causal, scale=scale,
+                                  attn_mask=mask, eps=cfg.eps, softcap=softcap,
+                                  sliding_window=sliding_window)
             o_used = out[b, :, t].float()
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
             fp32_dev = None
@@ -129,22 +147,23 @@ class ProbeRecorder:
                 # FP32 rounding, far below what the probe resolves: count it as 0. A where,
                 # not boolean indexing (nonzero: a host sync on CUDA).
                 fp32_dev = to_device(fp32_heads, q.device)
-                o_used = torch.where(fp32_dev[None, :, None], o32, o_used)
-            every_row = None  # (O_used, O_fp32 [B, H, Nq, D], FP32_O heads, BF16 δ)
+                o_used = torch.where(fp32_dev[None, :, None], rec.o32, o_used)
+            every_row = None
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
-                every_row = (out, o32_all.permute(1, 0, 2, 3), fp32_dev,
-                             st.buf.o32_paper)
-            z, share_w = self._sketch_terms(st, q, x, b, t, pk, scale, omega_x, omega_q)
-            y = smallops.matmul(pk, omega_a)  # [R, H, k]
-        sample = probe.Sample(heads=heads, b=b, t=t, tied=tied, row_max=row_max, z=z, y=y,
-                              share_w=share_w, d=probe.o_error(o_used, o32),
+                every_row = EveryRow(out=out, o32=o32_all.permute(1, 0, 2, 3),
+                                     fp32_heads=fp32_dev, bf16_delta=st.buf.o32_paper)
+            z, share_w = self._sketch_terms(st, q, x, b, t, rec.pk, scale, consts.omega_x,
+                                            consts.omega_q)
+            y = smallops.matmul(rec.pk, consts.omega_a)  # [R, H, k]
+        sample = probe.Sample(heads=consts.heads, b=b, t=t, tied=rec.tied, row_max=rec.row_max,
+                              z=z, y=y, share_w=share_w, d=probe.o_error(o_used, rec.o32),
                               shape=(B, Nq))
         st.buf.samples.append(sample)
         st.buf.probe_rows += len(b)  # with its ties, never apart from them
-        return sample, every_row, B * Nq
+        return ProbedCall(sample=sample, every_row=every_row, rows=B * Nq)
 
     def _sketch_terms(self, st, q, x, b, t, pk, scale, omega_x, omega_q):
         """z[T] (Ω_xᵀ X[T] [R, k], or Ω_qᵀ q[T] [R, H, k] without a usable X) and the
@@ -173,7 +192,8 @@ class ProbeRecorder:
         in reverse call order, hence the last sample first."""
         if not (out.requires_grad and st.buf.no_grad_samples):
             return
-        sample, every_row, n_rows = st.buf.no_grad_samples.pop()
+        call = st.buf.no_grad_samples.pop()
+        sample = call.sample
         d = sample.d
         # the call's shape, known on the host (b.max() would be a host sync)
         if out.dim() != 4 or not (sample.shape[0] <= out.shape[0]
@@ -183,9 +203,9 @@ class ProbeRecorder:
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
             return
-        out.register_hook(self._grad_hook(st, sample, every_row, n_rows))
+        out.register_hook(self._grad_hook(st, call))
 
-    def _grad_hook(self, st, sample, every_row, n_rows):
+    def _grad_hook(self, st, call: ProbedCall):
         """c[T] of the sampled rows while dO is at hand: against the kernel's own O_fp32
         where flashwatch's kernel ran (`every_row`, which also gives c on every row),
         else against the probe's FP32 recomputation. The sketch and the sums follow in
@@ -196,17 +216,17 @@ class ProbeRecorder:
             t0 = time.perf_counter()
             try:
                 with torch.no_grad(), no_autocast(grad.device):
-                    s, b, t = sample, sample.b, sample.t
-                    if every_row is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
-                        o_all, o32_all, fp32_heads, bf16_delta = every_row
-                        if bf16_delta:  # the paper backward's δ: product and sum in BF16
-                            c_all = (grad * o_all).sum(-1).double() - (
-                                grad.float() * o32_all).sum(-1, dtype=torch.float64)
+                    s, every = call.sample, call.every_row
+                    b, t = s.b, s.t
+                    if every is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
+                        if every.bf16_delta:  # the paper backward's δ: product and sum in BF16
+                            c_all = (grad * every.out).sum(-1).double() - (
+                                grad.float() * every.o32).sum(-1, dtype=torch.float64)
                         else:
-                            c_all = (grad.float() * (o_all.float() - o32_all)).sum(
+                            c_all = (grad.float() * (every.out.float() - every.o32)).sum(
                                 -1, dtype=torch.float64)
-                        if fp32_heads is not None:  # δ used the FP32 O: no error
-                            c_all = c_all.masked_fill(fp32_heads[None, :, None], 0.0)
+                        if every.fp32_heads is not None:  # δ used the FP32 O: no error
+                            c_all = c_all.masked_fill(every.fp32_heads[None, :, None], 0.0)
                         # The sampled rows' c is the kernel's own: exactly what FP32_O
                         # removes. Elsewhere it is against the probe's FP32 recomputation,
                         # which also counts the rounding of P̄ in O (reads high: docs/limits.md).
@@ -217,7 +237,7 @@ class ProbeRecorder:
                         c = probe.c_of(grad[b, :, t], s.d)
                         sums = None
                         st.buf.delta_rows += len(b)
-                        st.buf.delta_missed += n_rows - len(b)
+                        st.buf.delta_missed += call.rows - len(b)
                     if s.c is None:
                         s.c, s.c_all = c, sums
                     else:  # a further backward through the call (retain_graph): its
@@ -259,5 +279,5 @@ class ProbeRecorder:
         for st in self.states:
             st.buf.samples = [s for s in st.buf.samples if s.c is None]
             # reduced: only a further backward (retain_graph) would look for it again
-            st.buf.traced_pending = {i: got for i, got in st.buf.traced_pending.items()
-                                 if got[0].c is None}
+            st.buf.traced_pending = {i: call for i, call in st.buf.traced_pending.items()
+                                     if call.sample.c is None}

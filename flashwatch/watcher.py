@@ -152,30 +152,14 @@ class Watcher:
         route, the next report lists the layer in `unmitigable` and its events say
         applied=False."""
         from flashwatch.kernels.common import normalize_head_modes
-        from flashwatch.report import Event
 
         st = next((s for s in self._states if s.site.name == layer), None)
         if st is None:
             raise ValueError(f"layer {layer!r} is not watched; watched layers: "
                              f"{[s.site.name for s in self._states]}")
         new = normalize_head_modes(modes, st.site.num_heads)
-        pipe = self._pipeline
-        changed = torch.zeros(len(pipe.heads), dtype=torch.bool)
-        for h in range(st.site.num_heads):
-            if int(new[h]) != int(st.modes[h]):
-                changed[st.offset + h] = True
-                event = Event(step=self._step, layer=layer, head=h,
-                              from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
-                              reason="set by user", applied=True)
-                pipe.events.append(event)
-                pipe.unreported.append(event)  # goes out with the next report
-                if event.to_mode != Mode.STANDARD:
-                    st.pending.append(event)  # applied once a report sees it run
-        self._set_modes(st, new)
+        self._pipeline.user_change(st, new, self._step)
         self._stance()  # a routed layer runs eagerly (flashwatch/attach.py)
-        if changed.any():  # judge the new mode on what comes after it only
-            pipe.signals.reset_window(changed)
-            pipe.policy.restart(changed)
 
     def step(self) -> StepReport | None:
         """Call once per optimizer step. Returns the report of a monitored step, else None."""
