@@ -206,8 +206,10 @@ class QCheck:
             what = "the q it hands SDPA (per-position norms, rotary-invariant)"
         if not bool(err <= QCHECK_RTOL * ref):  # `not <=` so that NaN fails too
             self.failed, self.pre = True, None
+            given = ("" if site.q_slice_of_output is None
+                     else f"q_slice_of_output={tuple(site.q_slice_of_output)}, ")
             raise RuntimeError(
-                f"site {site.name!r}: its W^Q slice ({site.layout} layout, "
+                f"site {site.name!r}: its W^Q slice ({given}{site.layout} layout, "
                 f"{site.num_heads} heads × {site.head_dim} of {type(site.q_module).__name__}"
                 f"'s outputs) does not give {what}: relative error "
                 f"{float(err / ref.clamp_min(1e-30)):.3g} > {QCHECK_RTOL}. The projection's Q "

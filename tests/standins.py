@@ -391,12 +391,20 @@ HF_ARCHS = {
 }
 
 
-def hf_inputs(kind: str, B: int = 2, N: int = 12, seed: int = 0) -> dict:
-    """Model inputs for hf_tiny's `kind`, from a private generator."""
+def hf_inputs(kind: str, B: int = 2, N: int = 12, seed: int = 0, padded: bool = False
+              ) -> dict:
+    """Model inputs for hf_tiny's `kind`, from a private generator. padded: text inputs
+    get an attention_mask with the first sequence's last N // 3 tokens padding (right
+    padding, as a fine-tuning collator pads: every query row still sees a real key)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 64, (B, N), generator=g)
     if kind == "vision":
         return dict(pixel_values=torch.randn(B, 3, 16, 16, generator=g))
+    out = dict(input_ids=ids)
     if kind == "seq2seq":
-        return dict(input_ids=ids, decoder_input_ids=ids.flip(1))
-    return dict(input_ids=ids)
+        out["decoder_input_ids"] = ids.flip(1)
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, N - N // 3:] = 0
+        out["attention_mask"] = mask
+    return out

@@ -6,10 +6,13 @@ norm, for QK-norm models), captured by our own hooks, against X at the projectio
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import flashwatch as fw
 from flashwatch.layouts import LAYOUTS, QCheck, k_index, q_index
 from flashwatch.sites import find_sites, make_site
 from standins import hf_inputs, hf_tiny
@@ -134,6 +137,41 @@ def test_an_explicit_wrong_slice_is_refused_against_the_q_sdpa_gets(arch, layout
     assert "q_layout" in str(err.value) and all(n in str(err.value) for n in LAYOUTS[1:])
     assert checks[0].failed and checks[0](c["x"], c["q"]) is False  # refused once only
     assert checks[1](c["x"], c["q"]) and checks[1].done
+
+
+@pytest.mark.parametrize("arch,layout", [("gpt_neox", "per_head_qkv"),
+                                         ("qwen3_next", "per_head_q_gate")])
+def test_a_watched_wrong_slice_reports_no_w_q_norm_and_counts_one_error(arch, layout, caplog):
+    """The same refusal through fw.watch: the wrongly sliced layer reports NaN W^Q norms
+    (never K's or the gate's rows) with its max logit still measured, the error is
+    logged naming the slice given and counted once over two steps; the right q_layout
+    reports each head's true σ (the modeling code's split, written here) and no error."""
+    model, kind = hf_tiny(arch)
+    site = find_sites(model)[0]
+    q_child = "query_key_value" if arch == "gpt_neox" else "q_proj"
+    spec = dict(num_heads=4, num_kv_heads=site.num_kv_heads, head_dim=8, q_module=q_child)
+    w_qkv = getattr(site.module, q_child).weight.detach().double()
+    true_wq = (w_qkv.view(4, 3, 8, -1)[:, 0] if arch == "gpt_neox"
+               else w_qkv.view(4, 16, -1)[:, :8])
+    sigma = torch.linalg.matrix_norm(true_wq, ord=2)
+    inputs = hf_inputs(kind)
+    for given, errors in ((dict(q_slice_of_output=(0, 32)), 1), (dict(q_layout=layout), 0)):
+        w = fw.watch(model, every_n_steps=1, sites={site.name: dict(spec, **given)})
+        with caplog.at_level("ERROR", logger="flashwatch"):
+            for _ in range(2):
+                model(**inputs).logits.float().square().mean().backward()
+                report = w.step()
+                model.zero_grad()
+        w.remove()
+        norms = torch.tensor([h.wq_spectral_norm for h in report.heads], dtype=torch.float64)
+        assert all(math.isfinite(h.attention_max_logit) for h in report.heads)
+        assert w.monitor_errors_total == errors
+        if errors:
+            assert norms.isnan().all()
+            assert any("q_slice_of_output=(0, 32)" in r.getMessage() + str(r.exc_info)
+                       for r in caplog.records)
+        else:
+            torch.testing.assert_close(norms, sigma, rtol=1e-3, atol=0)
 
 
 def test_qcheck_waits_for_a_call_it_can_compare(monkeypatch):
