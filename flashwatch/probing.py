@@ -180,8 +180,9 @@ class ProbeRecorder:
             return smallops.matmul(xr, omega_x), share_w
         if x is not None:
             self.warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
-                            f"input has shape {tuple(x.shape)}, not [B, N, d_model]; "
-                            f"using q-space sketch terms")
+                            f"input has shape {tuple(x.shape)}, not [B, Nq, d_model] = "
+                            f"{[B, Nq, st.site.d_model]} as q's batch and query length "
+                            f"give it; using q-space sketch terms (no δ error share)")
         return smallops.matmul(q[b, :, t].float(), omega_q), None
 
     def _hook_recompute(self, st, out):

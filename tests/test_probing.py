@@ -236,3 +236,41 @@ def test_attention_dropout_leaves_delta_unmeasured_and_says_so(caplog):
     model(x, y)[1].backward()
     assert all(math.isfinite(h.delta_error_sum) for h in w.step().heads)
     w.remove()
+
+
+class PooledQueries(torch.nn.Module):
+    """Every other position asks (a pooled query sequence): q has Nq = N/2 rows while
+    the Q projection's input X has N."""
+
+    def __init__(self, C=32, H=4):
+        super().__init__()
+        self.H = H
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(C, C) for _ in range(3))
+
+    def forward(self, x):
+        B, N, C = x.shape
+
+        def heads(t):
+            return t.view(B, t.shape[1], self.H, C // self.H).transpose(1, 2)
+        q = heads(self.q_proj(x)[:, ::2])
+        return F.scaled_dot_product_attention(q, heads(self.k_proj(x)), heads(self.v_proj(x)))
+
+
+def test_a_q_projection_input_of_another_length_is_named_once(caplog):
+    """X [B, N, C] cannot weight q's Nq rows: the watcher says so once, with the shape it
+    expected, measures δ in q space (finite sums) and reports no error share."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(PooledQueries())
+    w = fw.watch(model, every_n_steps=1, rows_per_head="all",
+                 sites={"0": dict(num_heads=4, q_module="q_proj")})
+    with caplog.at_level("WARNING", logger="flashwatch"):
+        for _ in range(2):
+            model(torch.randn(2, 8, 32)).square().sum().backward()
+            report = w.step()
+    w.remove()
+    said = [r.getMessage() for r in caplog.records if "Q projection's input" in r.getMessage()]
+    assert len(said) == 1 and "(2, 8, 32)" in said[0] and "[2, 4, 32]" in said[0]
+    assert all(math.isfinite(h.delta_error_sum) and h.delta_error_rows > 0
+               for h in report.heads)
+    assert all(math.isnan(h.delta_error_share) for h in report.heads)
+    assert w.monitor_errors_total == 0
