@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from flashwatch import aggregate, probe, qkclip, reduce
+from flashwatch import aggregate, metrics, probe, qkclip, reduce
 from flashwatch.capture import Recorder
 from flashwatch.config import WatchConfig
 from flashwatch.distributed import RemoteFailure, spectral_norms
@@ -36,6 +36,11 @@ from flashwatch.policy import Decision, Policy
 from flashwatch.qkclip import QKClip
 from flashwatch.report import Event, HeadRecord, StepReport
 from flashwatch.signals import HeadSignals, SignalValues
+
+# The signals a report carries: SignalValues' fields that are rows of the metrics table
+# (spectral_growth and window_fill feed the policy only).
+SIGNAL_COLUMNS = tuple(f.name for f in dataclasses.fields(SignalValues)
+                       if f.name in metrics.BY_NAME)
 
 # Stop the warm-started power iteration of a sharded W^Q (FSDP2; whole weights use the
 # Gram matrix, flashwatch/spectral.py) once σ changes by less than this between
@@ -326,8 +331,7 @@ class StepPipeline:
             delta_error_share=a.share, guarded_rows=a.guarded.astype(np.int64),
             wq_spectral_norm=a.sigma)
         # values None: nothing was decided this step (signals not updated): NaN
-        for f in ("delta_sign_z", "delta_error_share_mean", "delta_error_share_std", "r_projection",
-                  "r_projection_cumulative", "delta_drift_z", "delta_coherence"):
+        for f in SIGNAL_COLUMNS:
             cols[f] = nan if values is None else getattr(values, f)
         # One tolist() per field, not a tensor index per head and field (5,120 heads:
         # benchmarks/bench_scale.py).
