@@ -2,17 +2,20 @@
 
     check_int("top_k", top_k, min=0, hint="0 = no worst-head keys")
     check_bool("log_per_head", log_per_head)
+    check_float("eps", eps, above=0.0, hint="the tie tolerance, e.g. 1e-3")
     log_once(log, self._logged, "sink", "flashwatch: %s failed", what, level=logging.ERROR)
     except ImportError as e:  # around an optional import
         raise missing_extra("lightning", "lightning", "flashwatch.integrations.lightning") from e
 
-A bool is not accepted as an int (True is an int to Python, never a count to a user).
+A bool is not accepted as an int or a float (True is an int to Python, never a count or
+a threshold to a user); a float must be finite unless the caller says otherwise.
 Messages name the argument, the bad value and what to pass instead (the house rule).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 
 def check_int(name: str, value, *, min: int | None = None, max: int | None = None,
@@ -29,6 +32,31 @@ def check_int(name: str, value, *, min: int | None = None, max: int | None = Non
     if (min is not None and value < min) or (max is not None and value > max):
         raise ValueError(f"{name} must be {want}, got {value!r}{tail}")
     return value
+
+
+def check_float(name: str, value, *, min: float | None = None, max: float | None = None,
+                above: float | None = None, finite: bool = True, hint: str = "") -> float:
+    """float(`value`) if it is an int or a float (not a bool), finite (unless
+    finite=False; NaN never passes) and within the bounds: `min` and `max` inclusive,
+    `above` exclusive (give it instead of `min`). Else TypeError (not a number) or
+    ValueError (NaN, inf, out of range) naming `name`, the value and the range. `hint`,
+    when given, ends the message."""
+    lower = f"> {above:g}" if above is not None else f"≥ {min:g}" if min is not None else ""
+    if max is not None:
+        lower = f"≤ {max:g}" if not lower else (
+            f"in ({above:g}, {max:g}]" if above is not None else f"in [{min:g}, {max:g}]")
+    parts = ", ".join(p for p in ("finite" if finite else "", lower) if p)
+    # "a positive number": > 0 is the usual bound, and MonitorGroup's message says so
+    want = ("a positive number" if above == 0 and max is None else "a number") + (
+        f" ({parts})" if parts else "")
+    tail = f"; {hint}" if hint else ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__}){tail}")
+    x = float(value)
+    if math.isnan(x) or (finite and math.isinf(x)) or (above is not None and x <= above) \
+            or (min is not None and x < min) or (max is not None and x > max):
+        raise ValueError(f"{name} must be {want}, got {value!r}{tail}")
+    return x
 
 
 def check_bool(name: str, value, *, hint: str = "") -> bool:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from dataclasses import asdict, dataclass, fields
 
-from flashwatch._checks import check_bool, check_int
+from flashwatch._checks import check_bool, check_float, check_int
 from flashwatch.dispatch import BACKENDS
 
 MITIGATIONS = ("off", "advise", "auto")
@@ -155,28 +154,26 @@ class WatchConfig:
                              f"got {self.power_max_iters}")
         if self.window < 2:
             raise ValueError(f"window must be ≥ 2 monitored steps, got {self.window}")
-        _check_float("eps", self.eps, lower=0.0)
-        _check_float("beta", self.beta, lower=1.0)
-        _check_float("tie_ratio_threshold", self.tie_ratio_threshold, lower=0.0, upper=1.0,
-                     lower_ok=True)
-        _check_float("drift_z_threshold", self.drift_z_threshold, lower=0.0)
-        _check_float("coherence_threshold", self.coherence_threshold, lower=0.0, upper=1.0)
-        _check_float("spectral_growth_threshold", self.spectral_growth_threshold, lower=0.0)
-        _check_float("spectral_growth_factor", self.spectral_growth_factor, lower=0.0)
+        check_float("eps", self.eps, above=0)
+        check_float("beta", self.beta, above=1)
+        check_float("tie_ratio_threshold", self.tie_ratio_threshold, min=0, max=1)
+        check_float("drift_z_threshold", self.drift_z_threshold, above=0)
+        check_float("coherence_threshold", self.coherence_threshold, above=0, max=1)
+        check_float("spectral_growth_threshold", self.spectral_growth_threshold, above=0)
+        check_float("spectral_growth_factor", self.spectral_growth_factor, above=0)
         if self.mitigation not in MITIGATIONS:
             raise ValueError(f"mitigation must be one of {MITIGATIONS}, got {self.mitigation!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         check_bool("route_all", self.route_all)
-        _check_float("delta_share_threshold", self.delta_share_threshold, lower=0.0)
+        check_float("delta_share_threshold", self.delta_share_threshold, above=0)
         check_int("delta_share_steps", self.delta_share_steps, min=1)
-        _check_float("beta_max_excess", self.beta_max_excess, lower=0.0)
-        _check_float("growth_min_logit", self.growth_min_logit, lower=-math.inf,
-                     lower_ok=True)
+        check_float("beta_max_excess", self.beta_max_excess, above=0)
+        check_float("growth_min_logit", self.growth_min_logit)
         if self.qk_clip_threshold is not None:
-            _check_float("qk_clip_threshold", self.qk_clip_threshold, lower=0.0)
-        _check_float("qk_clip_alpha", self.qk_clip_alpha, lower=0.0, upper=1.0, lower_ok=True)
-        _check_float("collective_timeout_s", self.collective_timeout_s, lower=0.0)
+            check_float("qk_clip_threshold", self.qk_clip_threshold, above=0)
+        check_float("qk_clip_alpha", self.qk_clip_alpha, min=0, max=1)
+        check_float("collective_timeout_s", self.collective_timeout_s, above=0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,13 +209,3 @@ def unknown_fields(names, extra=()) -> str | None:
     return f"unknown option(s) {unknown}" + (f" (did you mean {', '.join(hints)}?)"
                                              if hints else "")
 
-
-def _check_float(name: str, value, *, lower: float, upper: float = math.inf,
-                 lower_ok: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    too_low = value < lower if lower_ok else value <= lower
-    if not math.isfinite(value) or too_low or value > upper:
-        bound = f"{'≥' if lower_ok else '>'} {lower:g}" + (
-            f" and ≤ {upper:g}" if math.isfinite(upper) else "")
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")

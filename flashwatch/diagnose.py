@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flashwatch._checks import check_float
 from flashwatch.diagnose_measure import Capture, LayerBatch, wq_rows
 from flashwatch.diagnose_rank import rank
 from flashwatch.qkclip import clip_factors
@@ -61,10 +62,8 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not (isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0):
-        raise ValueError(f"tau must be a finite number > 0 (a max logit, e.g. 100), got {tau!r}")
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"eps must be a number ≥ 0 (e.g. 1e-3), got {eps!r}")
+    check_float("tau", tau, above=0, hint="a max logit, e.g. 100")
+    check_float("eps", eps, min=0, finite=False, hint="e.g. 1e-3")  # inf: every row tied
     found = find_sites(model, sites)
     for s in found:
         if s.q_module is None or getattr(s.q_module, "weight", None) is None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from flashwatch import layouts
+from flashwatch._checks import check_int
 from flashwatch.sites import (
     AttentionSite,
     _as_index,
@@ -114,8 +115,7 @@ def make_site(
     """
     module = _site_module(model, name)
     where = f"site {name!r}"
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"{where}: num_heads must be a positive int, got {num_heads!r}")
+    check_int(f"{where}: num_heads", num_heads, min=1, hint="the query heads of the layer")
     if wq is not None and not isinstance(wq, torch.Tensor) and not callable(wq):
         raise TypeError(f"{where}: wq must be a tensor or a callable returning one, got "
                         f"{type(wq).__name__}")

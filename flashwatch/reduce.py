@@ -45,6 +45,8 @@ from datetime import timedelta
 
 import torch
 
+from flashwatch._checks import check_float
+
 log = logging.getLogger("flashwatch")
 
 DEFAULT_TIMEOUT_S = 300.0  # WatchConfig.collective_timeout_s's default
@@ -64,11 +66,8 @@ class MonitorGroup:
     return their inputs."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s)
-                and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got "
-                             f"{timeout_s!r}")
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = check_float("timeout_s", timeout_s, above=0,
+                                     hint=f"seconds, default {DEFAULT_TIMEOUT_S:g}")
         self.broken: str | None = None  # why the group may no longer be used
         dist = _dist()
         self.world = dist.get_world_size() if dist else 1

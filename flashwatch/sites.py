@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from flashwatch import layouts
+from flashwatch._checks import check_int
 from flashwatch.eager_attention import refuse_no_sdpa
 from flashwatch.orientation import _gathered, check_orientation
 
@@ -109,9 +110,7 @@ class AttentionSite:
             raise TypeError(f"{where}: module must be an nn.Module, got "
                             f"{type(self.module).__name__}")
         for attr in ("num_heads", "num_kv_heads", "head_dim", "d_model"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{where}: {attr} must be a positive int, got {value!r}")
+            check_int(f"{where}: {attr}", getattr(self, attr), min=1)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"{where}: num_heads={self.num_heads} is not a multiple of "

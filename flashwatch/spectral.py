@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from flashwatch import smallops
-from flashwatch._checks import check_int
+from flashwatch._checks import check_float, check_int
 
 COLD_START_MAX_ITERS = 500  # cold-start cap; 64×768 Gaussian (no gap): 1.7e-4 rel. error
 # A warm start runs `iters` iterations, then goes on until σ settles (at most this many):
@@ -136,9 +136,7 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
     _check_w(W)
     check_int("iters", iters, min=1)
     check_int("max_iters", max_iters, min=1, hint=f"e.g. {WARM_MAX_ITERS}")
-    if (isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol)
-            or tol <= 0):
-        raise ValueError(f"tol must be a finite number > 0, got {tol!r} (e.g. 1e-7)")
+    check_float("tol", tol, above=0, hint="e.g. 1e-7")
     H, _, b = W.shape
     dtype = torch.float64 if W.dtype == torch.float64 else torch.float32
     W = W.detach().to(dtype)

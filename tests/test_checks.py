@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flashwatch._checks import check_bool, check_int, log_once
+from flashwatch._checks import check_bool, check_float, check_int, log_once
 
 
 @pytest.mark.parametrize("value,kw,exc,text", [
@@ -29,6 +29,40 @@ def test_check_int_accepts_the_bounds_themselves():
     assert check_int("n", 0, min=0) == 0
     assert check_int("n", 65535, min=0, max=65535) == 65535
     assert check_int("n", -7) == -7  # no bounds: any int
+
+
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("value,kw,exc,text", [
+    (True, {"above": 0}, TypeError, r"^tol must be a positive number \(finite, > 0\), got True "
+                                    r"\(bool\)$"),
+    ("1e-7", {}, TypeError, r"^tol must be a number \(finite\), got '1e-7' \(str\)$"),
+    (None, {"min": 0}, TypeError, r"got None \(NoneType\)"),
+    (NAN, {}, ValueError, r"^tol must be a number \(finite\), got nan$"),
+    (NAN, {"min": 0, "finite": False}, ValueError, r"^tol must be a number \(≥ 0\), got nan$"),
+    (INF, {"above": 0}, ValueError, r"must be a positive number \(finite, > 0\), got inf$"),
+    (-INF, {}, ValueError, r"got -inf$"),
+    (0, {"above": 0}, ValueError, r"got 0$"),  # the value as passed, not float(0)
+    (1.0, {"above": 1}, ValueError, r"must be a number \(finite, > 1\), got 1.0$"),
+    (-1e-9, {"min": 0}, ValueError, r"must be a number \(finite, ≥ 0\), got -1e-09$"),
+    (1.5, {"min": 0, "max": 1}, ValueError, r"in \[0, 1\]\), got 1.5$"),
+    (0.0, {"above": 0, "max": 1}, ValueError, r"in \(0, 1\]\), got 0.0$"),
+    (2.5, {"max": 2}, ValueError, r"\(finite, ≤ 2\), got 2.5$"),
+    (-1, {"above": 0, "hint": "e.g. 1e-7"}, ValueError, r"got -1; e.g. 1e-7$"),
+    ("x", {"above": 0, "hint": "e.g. 1e-7"}, TypeError, r"got 'x' \(str\); e.g. 1e-7$"),
+])
+def test_check_float_refuses_with_the_name_the_value_and_the_range(value, kw, exc, text):
+    with pytest.raises(exc, match=text):
+        check_float("tol", value, **kw)
+
+
+def test_check_float_accepts_ints_the_bounds_and_inf_when_asked():
+    assert check_float("x", 0, min=0) == 0.0 and type(check_float("x", 3)) is float
+    assert check_float("x", 1.0, min=0, max=1) == 1.0  # max is inclusive
+    assert check_float("x", 1e-300, above=0) == 1e-300
+    assert check_float("x", -1e300) == -1e300  # no bounds: any finite number
+    assert check_float("x", INF, min=0, finite=False) == INF
 
 
 @pytest.mark.parametrize("value", [1, 0, "yes", None])

@@ -236,6 +236,12 @@ def test_bad_inputs_are_named():
         diagnose(model, [], progress=False)
     with pytest.raises(ValueError, match="tau"):
         diagnose(model, id_batches(16, n=1), tau=-1.0, progress=False)
+    with pytest.raises(ValueError, match=r"tau must be .*finite.*got inf; a max logit"):
+        diagnose(model, id_batches(16, n=1), tau=float("inf"), progress=False)
+    with pytest.raises(TypeError, match=r"tau must be .* got '100' \(str\)"):
+        diagnose(model, id_batches(16, n=1), tau="100", progress=False)
+    with pytest.raises(ValueError, match=r"eps must be a number \(≥ 0\), got nan"):
+        diagnose(model, id_batches(16, n=1), eps=float("nan"), progress=False)
     with pytest.raises(ValueError, match="token ids"):
         diagnose(model, [torch.randn(2, 5)], progress=False)
     with pytest.raises(TypeError, match="loss_fn"):

@@ -88,3 +88,17 @@ def test_a_listed_site_must_belong_to_the_model():
         AttentionSite(name="x", module=nn.Linear(2, 2), num_heads=0, num_kv_heads=1,
                       head_dim=1, d_model=2, q_module=None, kind="explicit",
                       q_slice_of_output=None, wq_source=lambda: torch.zeros(1, 1, 2))
+
+
+@pytest.mark.parametrize("num_heads,exc,text", [
+    (0, ValueError, r"site 'blocks.0.attn': num_heads must be an int ≥ 1, got 0"),
+    (4.0, TypeError, r"num_heads must be an int ≥ 1, got 4.0 \(float\)"),
+    (True, TypeError, r"num_heads must be an int ≥ 1, got True \(bool\)"),
+])
+def test_a_head_count_is_a_positive_int_in_make_site_and_attention_site(num_heads, exc, text):
+    with pytest.raises(exc, match=text):
+        make_site(TinyViTish(), "blocks.0.attn", num_heads=num_heads, q_module="qkv")
+    with pytest.raises(exc, match=r"AttentionSite 'x': head_dim must be an int ≥ 1, got "):
+        AttentionSite(name="x", module=nn.Linear(2, 2), num_heads=1, num_kv_heads=1,
+                      head_dim=num_heads, d_model=2, q_module=None, kind="explicit",
+                      q_slice_of_output=None, wq_source=lambda: torch.zeros(1, 1, 2))

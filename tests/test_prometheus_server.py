@@ -129,6 +129,10 @@ def test_bad_server_options_are_clear_errors():
         PrometheusSink(port=0, max_threads=0)
     with pytest.raises(ValueError, match="timeout must be .* got -1"):
         PrometheusSink(port=0, timeout=-1)
+    with pytest.raises(ValueError, match="timeout must be .* got inf; seconds"):
+        PrometheusSink(port=0, timeout=float("inf"))
+    with pytest.raises(TypeError, match=r"timeout must be .* got '5' \(str\)"):
+        PrometheusSink(port=0, timeout="5")
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make "

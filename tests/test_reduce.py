@@ -159,3 +159,10 @@ def test_exchange_carries_failures_and_step_counts_to_every_rank(tmp_path):
 def test_monitor_group_timeout_is_validated():
     with pytest.raises(ValueError, match="timeout_s must be a positive number"):
         reduce.MonitorGroup(timeout_s=0)
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"timeout_s must be a positive number .*; seconds"):
+            reduce.MonitorGroup(timeout_s=bad)
+    for bad in ("60", True):
+        with pytest.raises(TypeError, match=rf"timeout_s .* got {bad!r} \("):
+            reduce.MonitorGroup(timeout_s=bad)
+    assert reduce.MonitorGroup(timeout_s=30).timeout_s == 30.0

@@ -169,6 +169,10 @@ def test_gram_norm_of_zero_extreme_and_non_finite_heads():
     (lambda: power_iteration(torch.randn(2, 3, 4), torch.randn(2, 3)), ValueError, ["v", "[2, 4]"]),
     (lambda: power_iteration(torch.randn(2, 3, 4), None, iters=0), ValueError, ["iters"]),
     (lambda: power_iteration(torch.randn(2, 3, 4), None, tol=-1.0), ValueError, ["tol"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), None, tol=math.nan), ValueError,
+     ["tol", "nan", "1e-7"]),
+    (lambda: power_iteration(torch.randn(2, 3, 4), None, tol="1e-7"), TypeError,
+     ["tol", "str"]),
     (lambda: power_iteration(torch.randn(2, 3, 4), None, max_iters=0), ValueError,
      ["max_iters"]),
 ])

@@ -58,7 +58,7 @@ from collections import Counter
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
 
-from flashwatch._checks import check_bool, check_int
+from flashwatch._checks import check_bool, check_float, check_int
 from flashwatch.integrations.prometheus_render import (
     HEAD_COUNTERS,
     HEAD_GAUGES,
@@ -128,10 +128,7 @@ class PrometheusSink:
                              "certfile and keyfile too")
         check_int("max_threads", max_threads, min=1,
                   hint="the default 8 serves several scrapers at once")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
-                not 0 < timeout < float("inf"):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got "
-                             f"{timeout!r}; the default is 5.0")
+        check_float("timeout", timeout, above=0, hint="seconds, the default is 5.0")
         for name, flag in (("rank_zero_only", rank_zero_only), ("start_server", start_server),
                            ("per_head_all_ranks", per_head_all_ranks)):
             check_bool(name, flag)

@@ -1,7 +1,7 @@
 """Types and input checks shared by every attention backend (reference and Triton).
 
-Only torch is imported here: `flashwatch.kernels` must stay usable without the rest of
-flashwatch (docs/design.md §2).
+Only torch and flashwatch._checks (standard library only) are imported here:
+`flashwatch.kernels` must stay usable without the rest of flashwatch (docs/design.md §2).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from flashwatch._checks import check_bool, check_float, check_int
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # What the Triton kernels take (the reference takes all SUPPORTED_DTYPES and any D).
@@ -61,8 +63,7 @@ class AttentionStats:
 
     @classmethod
     def zeros(cls, num_heads: int, device: torch.device | str | None = None) -> AttentionStats:
-        if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+        check_int("num_heads", num_heads, min=1, hint="one counter per attention head")
         counts = [torch.zeros(num_heads, dtype=torch.int64, device=device) for _ in range(3)]
         max_logit = torch.full((num_heads,), -math.inf, dtype=torch.float32, device=device)
         return cls(*counts, max_logit)
@@ -94,17 +95,6 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _check_number(name: str, value, *, greater_than: float, hint: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} ({value!r}); {hint}")
-    value = float(value)
-    if not math.isfinite(value) or value <= greater_than:
-        raise ValueError(
-            f"{name} must be a finite number > {greater_than:g}, got {value!r}; {hint}"
-        )
-    return value
-
-
 def normalize_head_modes(head_modes, num_heads: int) -> torch.Tensor:
     """Return head_modes as an int32 CPU tensor [H] with values in Mode, or raise."""
     if head_modes is None:
@@ -123,12 +113,9 @@ def normalize_head_modes(head_modes, num_heads: int) -> torch.Tensor:
                 f"head_modes must be 1-D with one entry per head, got shape {_shape(head_modes)}"
             )
     elif isinstance(head_modes, Sequence) and not isinstance(head_modes, (str, bytes)):
-        for m in head_modes:
-            if isinstance(m, bool) or not isinstance(m, int):
-                raise TypeError(
-                    f"head_modes entries must be flashwatch.Mode values, got {m!r} "
-                    f"({type(m).__name__})"
-                )
+        for i, m in enumerate(head_modes):
+            check_int(f"head_modes[{i}]", m, hint="head_modes entries must be flashwatch.Mode "
+                      "values (Mode.STANDARD, Mode.BETA, Mode.FP32_O)")
         modes = torch.tensor([int(m) for m in head_modes], dtype=torch.int64)
     else:
         raise TypeError(
@@ -181,14 +168,9 @@ def check_window(sliding_window) -> None:
     i - j < sliding_window, as Mistral's and Gemma2's configs give it)."""
     if sliding_window is None:
         return
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
-        raise TypeError(f"sliding_window must be a positive int or None, got "
-                        f"{type(sliding_window).__name__} ({sliding_window!r}); pass the "
-                        f"model config's sliding_window, e.g. 4096")
-    if sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive int (query i sees key j only "
-                         f"if i - j < sliding_window), got {sliding_window}; pass None for "
-                         f"no window or a value >= 1")
+    check_int("sliding_window", sliding_window, min=1,
+              hint="query i sees key j only if i - j < sliding_window; pass None for no "
+                   "window or a value >= 1, the model config's sliding_window (e.g. 4096)")
 
 
 def _check_tensor(name: str, t) -> None:
@@ -267,20 +249,18 @@ def check_inputs(q, k, v, *, causal, scale, head_modes, beta, eps, stats, attn_m
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     _check_qkv_agree(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    check_bool("causal", causal, hint="a bool, as SDPA's is_causal")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     else:
-        scale = _check_number("scale", scale, greater_than=0.0,
-                              hint="pass None for 1/sqrt(D)")
-    _check_number("beta", beta, greater_than=1.0,
-                  hint="the paper uses 2 to 8; beta <= 1 would let P̄ reach 1 again")
-    _check_number("eps", eps, greater_than=0.0,
-                  hint="it is the tie tolerance in scaled-score units (default 1e-3)")
+        scale = check_float("scale", scale, above=0, hint="pass None for 1/sqrt(D)")
+    check_float("beta", beta, above=1,
+                hint="the paper uses 2 to 8; beta <= 1 would let P̄ reach 1 again")
+    check_float("eps", eps, above=0,
+                hint="it is the tie tolerance in scaled-score units (default 1e-3)")
     if softcap is not None:
-        _check_number("softcap", softcap, greater_than=0.0,
-                      hint="pass None for no softcapping (Gemma2 uses 50.0)")
+        check_float("softcap", softcap, above=0,
+                    hint="pass None for no softcapping (Gemma2 uses 50.0)")
     check_mask(attn_mask, q, k)
     check_window(sliding_window)
     _check_stats(stats, q.shape[1])
