@@ -55,7 +55,8 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     try:
         written = run_diagnose(args)
-    except (FileNotFoundError, ValueError, TypeError, RuntimeError) as e:
+    except (FileNotFoundError, ValueError, TypeError, RuntimeError, ImportError) as e:
+        # ImportError: a Hugging Face checkpoint without the [transformers] extra
         print(f"flashwatch diagnose: error: {e}", file=sys.stderr)
         return 2
     for p in written:

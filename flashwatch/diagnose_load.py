@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from flashwatch._checks import missing_extra
+
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout",
                 "position_embedding")
 
@@ -33,10 +35,8 @@ def load_model(spec: str, device: str | torch.device = "cpu") -> nn.Module:
         if not (path / "config.json").is_file():
             raise ValueError(f"checkpoint {spec!r} is a directory without config.json; "
                              "pass a Hugging Face model directory (save_pretrained)")
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                     attn_implementation="sdpa")
+        auto = _transformers().AutoModelForCausalLM
+        model = auto.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
     elif path.is_file():
         model = _nanogpt(path)
     elif ":" in spec:
@@ -46,6 +46,15 @@ def load_model(spec: str, device: str | torch.device = "cpu") -> nn.Module:
                          "module:function; pass a Hugging Face directory, a nanoGPT "
                          "ckpt.pt or e.g. mypkg.models:build")
     return model.to(device)
+
+
+def _transformers():
+    """transformers, an extra: only Hugging Face checkpoints need it."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise missing_extra("transformers", "transformers", "flashwatch diagnose") from e
+    return transformers
 
 
 def _nanogpt(path: Path) -> nn.Module:
@@ -121,9 +130,7 @@ def load_tokens(data: str | Path, checkpoint: str | None = None,
 def _tokenize(text: str, checkpoint: str | None, model: nn.Module | None) -> torch.Tensor:
     if checkpoint is not None and Path(checkpoint).is_dir() and \
             (Path(checkpoint) / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+        tok = _transformers().AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
         return torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and vocab >= 256:

@@ -127,3 +127,29 @@ def test_lightning_callback_without_lightning_names_the_extra(tmp_path: Path):
 def test_trainer_callback_without_transformers_names_the_extra(tmp_path: Path):
     msg = _import_error(NO_TRANSFORMERS, "flashwatch.integrations.transformers", tmp_path)
     assert "pip install 'flashwatch[transformers]'" in msg and "\n" not in msg, msg
+
+
+def test_diagnose_on_a_hugging_face_folder_without_transformers_names_the_extra(tmp_path):
+    """The CLI says it in one line (no traceback); load_tokens on a folder with a tokenizer
+    raises the same ImportError, not a bare ModuleNotFoundError."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "data.txt").write_text("hello world")
+    done = run_without(NO_TRANSFORMERS, f"""
+        from flashwatch.cli import main
+        from flashwatch.diagnose_load import load_tokens
+        try:
+            load_tokens({str(tmp_path / "data.txt")!r}, {str(hf)!r})
+        except ImportError as e:
+            print(type(e).__name__, e)
+        sys.exit(main(["diagnose", {str(hf)!r}, "--data", {str(tmp_path / "data.txt")!r},
+                       "--out", {str(tmp_path / "out")!r}]))
+        """, tmp_path)
+    want = ("flashwatch diagnose needs transformers, which is not installed; install it "
+            "with: pip install 'flashwatch[transformers]'")
+    assert done.stdout == f"ImportError {want}\n", done.stderr[-3000:]
+    assert done.returncode == 2 and done.stderr == f"flashwatch diagnose: error: {want}\n", \
+        done.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
