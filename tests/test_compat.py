@@ -126,11 +126,14 @@ class Scores(TorchFunctionMode):
         return super().__exit__(*exc)
 
     def _fw_attention(self, q, k, v, *, causal=False, scale=None, attn_mask=None,
-                      softcap=None, backend="auto"):
+                      softcap=None, backend="auto", sliding_window=None):
+        # The window is also in attn_mask (hf_attention passes both): the oracle reads it
+        # there, as transformers built it.
         self._seen(q, k, v, attn_mask=attn_mask, is_causal=causal, scale=scale,
                    softcap=softcap)
         return dispatch.attention(q, k, v, causal=causal, scale=scale, attn_mask=attn_mask,
-                                  softcap=softcap, backend=backend)
+                                  softcap=softcap, backend=backend,
+                                  sliding_window=sliding_window)
 
     def _seen(self, *args, **kwargs):
         name = self.current[0]

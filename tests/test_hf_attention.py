@@ -125,6 +125,32 @@ def test_gemma2_model_matches_its_eager_attention_forward_and_backward():
                                    msg=n)
 
 
+def test_sliding_layers_pass_their_window_to_the_kernels_and_change_nothing(monkeypatch):
+    """Gemma2's sliding layers hand flashwatch.attention their window (so the kernels can
+    skip key blocks outside it), its global layers none; the mask already held the window,
+    so logits and gradients are the same bits as with the mask alone."""
+    ids, mask = _batch()
+    windows, runs = [], {}
+    attention = hf_attention.dispatch.attention
+
+    def recording(*args, **kwargs):
+        windows.append(kwargs.get("sliding_window"))
+        return attention(*args, **kwargs)
+    for passed in (True, False):
+        if not passed:
+            monkeypatch.setattr(hf_attention, "_window", lambda *a: None)
+        monkeypatch.setattr(hf_attention.dispatch, "attention", recording)
+        windows.clear()
+        model = _gemma2(hf_attention.NAME)
+        out = model(input_ids=ids, attention_mask=mask).logits
+        out.square().mean().backward()
+        runs[passed] = (out.detach(), model.model.layers[0].self_attn.q_proj.weight.grad,
+                        list(windows))
+    assert runs[True][2] == [6, None] and runs[False][2] == [None, None]  # layer 0 slides
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1], runs[False][1])
+
+
 def test_greedy_generation_with_a_kv_cache_is_eager_generation():
     """Decoding: one query per step against every cached key (no causal flag), the
     sliding window in the mask once the cache outgrows it (6 keys < 4 + 8 tokens)."""

@@ -50,7 +50,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     [B, H_kv, Nk, D] (H_kv dividing H), attention_mask from `sdpa_mask` or None,
     position_bias (T5's learned relative bias) added to the scores as SDPA's path adds it.
     Returns ([B, Nq, H, D], None) as every implementation does. sliding_window and the
-    other keywords arrive already folded into the mask."""
+    other keywords arrive already folded into the mask (sliding_window is also passed to
+    the kernels where it lets them skip work: `_window`)."""
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout, got "
                          f"dropout={dropout}; set the model config's attention_dropout "
@@ -74,8 +75,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         torch.is_grad_enabled()
     out = dispatch.attention(query, key, value, causal=causal, scale=scaling,
                              attn_mask=attention_mask, softcap=softcap,
-                             backend="reference" if learned else "auto")
+                             backend="reference" if learned else "auto",
+                             sliding_window=_window(kwargs.get("sliding_window"), query, key))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window(window, query, key) -> int | None:
+    """The layer's sliding window, for the kernels to skip the key blocks outside it (the
+    mask already hides them: the result is the same, O(N·window) work instead of O(N²)).
+    Only when query i is key i (Nq == Nk: training, prefill without a cache): with cached
+    keys the window's top-left indices would not be the positions', so the mask alone
+    holds it there."""
+    if not window or query.shape[2] != key.shape[2]:
+        return None
+    return int(window)
 
 
 def _with_bias(bias, mask, causal: bool, query, key):
