@@ -2,8 +2,9 @@
 
 Two gloo processes train a small GPT (DDP, and FSDP2 for the sharded power iteration) for
 8 optimizer steps with every_n_steps=2. In each scenario one exception is injected on
-rank 1 only, at the monitored step 2, into one stage that precedes or contains a
-collective (or a sink, or a state loaded on one rank). Every scenario must end with
+one rank only (rank 1; rank 0 in "rank0_fails", so that the healthy rank the vote heals
+from is not rank 0), at the monitored step 2, into one stage that precedes or contains
+a collective (or a sink, or a state loaded on one rank). Every scenario must end with
 both ranks at step 8, the failure counted on the rank where it happened, the same head
 modes on both ranks, and the monitored steps after it reported again.
 
@@ -26,7 +27,7 @@ from examples.gpt import GPT, GPTConfig
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 STEPS, FAULT_STEP = 8, 2
 DDP_SCENARIOS = ("none", "probe_totals", "spectral_plain", "reduction", "policy",
-                 "policy_diverges", "qk_clip", "sink", "state_loading")
+                 "policy_diverges", "rank0_fails", "qk_clip", "sink", "state_loading")
 FSDP2_SCENARIOS = ("spectral_sharded", "probe_totals")
 
 
@@ -79,8 +80,45 @@ def _diverging_decide(rank):
     return lambda: setattr(Policy, "decide", real)
 
 
-def _arm_target(scenario, rank):
-    """(restore, arms_at_fault_step) for the scenario on this rank."""
+def _rank0_fails(rank, computed):
+    """Rank 0's signals update fails at the fault step; rank 1's updates and its policy
+    switches layer 0 head 0 to FP32_O. `computed` gets rank 1's signals and policy state
+    and modes as they stand before the vote: the state both ranks must hold after it.
+    Rank 1 is the only healthy rank, so a vote read as "source 0" would heal both ranks
+    to rank 0's stale state instead."""
+    from flashwatch.kernels.common import Mode
+    from flashwatch.policy import Policy
+    from flashwatch.signals import HeadSignals
+
+    real_update, real_decide = HeadSignals.update, Policy.decide
+
+    def update(self, *args, **kwargs):
+        if _Armed.on and rank == 0:
+            _Armed.on = False
+            raise RuntimeError("injected fault in update")
+        values = real_update(self, *args, **kwargs)
+        if _Armed.on:
+            computed["signals"] = self.state_dict()
+        return values
+
+    def decide(self, step, *args, **kwargs):
+        d = real_decide(self, step, *args, **kwargs)
+        if _Armed.on:  # rank 1 at the fault step: rank 0 failed before deciding
+            d.modes = d.modes.clone()
+            d.modes[0] = int(Mode.FP32_O)
+            computed.update(policy=self.state_dict(), modes=d.modes.tolist())
+        return d
+
+    HeadSignals.update, Policy.decide = update, decide
+
+    def restore():
+        HeadSignals.update, Policy.decide = real_update, real_decide
+    return restore
+
+
+def _arm_target(scenario, rank, computed):
+    """(restore, arms_at_fault_step) for the scenario on this rank; `computed` collects
+    what the healthy rank computed, where a scenario records it."""
     import flashwatch.distributed as fdist
     import flashwatch.probe as fprobe
     import flashwatch.qkclip as fqk
@@ -93,6 +131,8 @@ def _arm_target(scenario, rank):
                "qk_clip": (fqk, "clip_factors")}
     if scenario == "policy_diverges":
         return _diverging_decide(rank), False
+    if scenario == "rank0_fails":
+        return _rank0_fails(rank, computed), True
     if scenario in targets:
         return _inject(*targets[scenario]), rank == 1
     return (lambda: None), False
@@ -114,9 +154,10 @@ def _run_scenario(scenario, kind, rank, mesh):
     sinks = [_FailingSink(rank)] if scenario == "sink" else []
     w = fw.watch(model, every_n_steps=2, rows_per_head=8, sinks=sinks,
                  collective_timeout_s=60.0, **qk)  # a hang of ours fails the test
-    restore, arms = _arm_target(scenario, rank)
+    computed = {}
+    restore, arms = _arm_target(scenario, rank, computed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    reports, saved = [], None
+    reports, saved, after_fault, trail = [], None, None, []
     try:
         for i in range(STEPS):
             g = torch.Generator().manual_seed(100 * i + rank)
@@ -132,6 +173,12 @@ def _run_scenario(scenario, kind, rank, mesh):
             _Armed.on = arms and i == FAULT_STEP
             reports.append(w.step())
             _Armed.on = False
+            if reports[-1] is not None:  # the flat head modes after each monitored step
+                trail.append(torch.cat([st.modes for st in w.layer_states]).tolist())
+            if scenario == "rank0_fails" and i == FAULT_STEP:
+                sd = w.state_dict()
+                after_fault = dict(signals=sd["signals"], policy=sd["policy"],
+                                   errors=w.monitor_errors_total)
     finally:
         restore()
     modes = {k: [int(m) for m in v] for k, v in w.head_modes().items()}
@@ -139,7 +186,7 @@ def _run_scenario(scenario, kind, rank, mesh):
                reported=[r.step for r in reports if r is not None],
                last=[h.tied_rowmax_ratio for h in reports[-2].heads] if reports[-2] else None,
                weights=[p.detach().float().sum().item() for p in model.parameters()],
-               clips=w.events)
+               clips=w.events, computed=computed, after_fault=after_fault, trail=trail)
     w.remove()
     return out
 
@@ -187,8 +234,9 @@ def test_both_ranks_train_to_the_end_with_the_fault_counted_where_it_happened(
         assert r0["errors"] == r1["errors"] == 0
     elif scenario == "state_loading":  # both ranks learn the step counts differ
         assert r0["errors"] >= 1 and r1["errors"] >= 1
-    else:
-        assert r1["errors"] >= 1 and r0["errors"] == 0
+    else:  # counted on the failing rank only
+        bad, good = (r0, r1) if scenario == "rank0_fails" else (r1, r0)
+        assert bad["errors"] >= 1 and good["errors"] == 0
     # the monitored step after the fault reports again, with numbers
     assert 6 in r0["reported"] and 6 in r1["reported"]
     assert r0["last"] is not None and all(math.isfinite(x) for x in r0["last"])
@@ -201,3 +249,32 @@ def test_a_diverging_decision_is_healed_to_the_healthy_ranks(results):
     r0, r1 = (r[("ddp", "policy_diverges")] for r in results)
     first_layer = sorted(r0["modes"])[0]
     assert r0["modes"][first_layer][0] == r1["modes"][first_layer][0] == 2  # FP32_O
+
+
+def _tensors(state):
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def test_a_failure_on_rank_0_heals_both_ranks_to_rank_1_the_only_healthy_one(results):
+    """The vote's source is read from the reduce, not assumed to be rank 0: a readout
+    giving 0 here heals both ranks to rank 0's state from before the step (its signals
+    update failed), so the FP32_O switch, the filled window and the policy step of
+    rank 1 would be gone on both ranks."""
+    r0, r1 = (r[("ddp", "rank0_fails")] for r in results)
+    computed = r1["computed"]
+    assert r0["computed"] == {} and set(computed) == {"signals", "policy", "modes"}
+    assert computed["modes"][0] == 2  # FP32_O: rank 1's decision differs from the old modes
+    at = r1["reported"].index(FAULT_STEP)
+    assert r0["trail"][at] == r1["trail"][at] == computed["modes"]
+    for r in (r0, r1):  # both hold rank 1's signals and policy, bit for bit
+        torch.testing.assert_close(_tensors(r["after_fault"]["signals"]),
+                                   _tensors(computed["signals"]), rtol=0, atol=0,
+                                   equal_nan=True)
+        torch.testing.assert_close(_tensors(r["after_fault"]["policy"]),
+                                   _tensors(computed["policy"]), rtol=0, atol=0)
+    # the failure counted once, on rank 0 where it happened, and nothing after it
+    assert (r0["after_fault"]["errors"], r1["after_fault"]["errors"]) == (1, 0)
+    assert (r0["errors"], r1["errors"]) == (1, 0)
+    # every later monitored step agrees (one per 2 steps, none skipped: no hang)
+    assert r0["reported"] == r1["reported"] == [0, 2, 4, 6]
+    assert r0["trail"] == r1["trail"] and r0["trail"][-1][0] == 2
