@@ -313,6 +313,38 @@ def check_speed(cfg: dict, n: int, d: int, causal: bool) -> dict:
     return {"variants": res, "fwd_bwd_ratios": ratios, "meets_target": verdicts}
 
 
+def check_masked(cfg: dict, n: int, d: int) -> dict:
+    """What the masked kernel variants cost (their own, smaller autotune blocks:
+    triton_tuning.tuned_space): fwd+bwd ms of a padded batch (bool key-padding mask,
+    half the batch padded by n/8), softcap 50 and a causal sliding window of n/4, each
+    against the same call without it, and the padded batch against SDPA with the same
+    mask (its kernel choice: flash takes no mask). Ratios > 1: slower than the plain call;
+    the window does less work, so its ratio should be well under 1."""
+    q, k, v, do = inputs(cfg, n, d)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = torch.ones(cfg["B"], 1, 1, n, dtype=torch.bool, device=cfg["device"])
+    keep[: max(1, cfg["B"] // 2), ..., n - n // 8:] = False
+
+    def call(causal, **kw):
+        return lambda: fw.attention(q, k, v, causal=causal, backend=cfg["backend"], **kw)
+    calls = {"plain_full": call(False), "plain_causal": call(True),
+             "key_padding": call(False, attn_mask=keep),
+             "softcap": call(True, softcap=50.0),
+             "sliding_window": call(True, sliding_window=max(1, n // 4)),
+             "sdpa_key_padding": lambda: torch.nn.functional.scaled_dot_product_attention(
+                 q, k, v, attn_mask=keep)}
+    ms = {}
+    for name, fwd in calls.items():
+        fwd().backward(do)  # tunes and compiles outside the timing
+        ms[name] = time_ms(lambda fwd=fwd: fwd().backward(do), cfg["device"], cfg["rep_ms"],
+                           (q, k, v))
+    return {"fwd_bwd_ms": ms, "ratios": {
+        "key_padding_over_plain": ms["key_padding"] / ms["plain_full"],
+        "key_padding_over_sdpa": ms["key_padding"] / ms["sdpa_key_padding"],
+        "softcap_over_plain": ms["softcap"] / ms["plain_causal"],
+        "sliding_window_over_plain": ms["sliding_window"] / ms["plain_causal"]}}
+
+
 def tuned_configs() -> dict:
     """The autotuner's pick per key, from flashwatch/kernels/triton_attention.py's TUNED."""
     from flashwatch.kernels import triton_attention as ta
@@ -357,7 +389,10 @@ def compile_estimate(cfg: dict) -> dict:
                     compiles += size
         out[stage] = {"autotune_runs": tunes, "kernel_compiles": compiles}
     out["note"] = ("a, b, c: new ones in this order within one warm Triton cache; "
-                   "c_alone: stage c on a fresh machine; plus the untuned helper kernels")
+                   "c_alone: stage c on a fresh machine; plus the untuned helper kernels "
+                   "and stage b's `masked` sub-check (key padding, softcap, sliding "
+                   "window: 3 more forward and backward variants, each tuned over its "
+                   "own space)")
     return out
 
 
@@ -396,7 +431,8 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
         "a": [("warm", lambda: warm(cfg, dry))] + [
             (key(*p), lambda p=p: check_correct(cfg, *p)) for p in cfg["grid"]],
         "b": [(key(*p), lambda p=p: check_speed(cfg, *p)) for p in cfg["grid"]] + [
-            ("tuned_configs", tuned_configs)],
+            ("tuned_configs", tuned_configs),
+            ("masked", lambda: check_masked(cfg, *cfg["grid"][0][:2]))],
         "c": [(m, lambda m=m: bench_watcher.overhead_modes(cfg["device"], m, dry))
               for m in ("eager", "compiled", "reduce_overhead")],
         "t": [(f, lambda f=f: native_tests(f, dry)) for f in NATIVE_TESTS],

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ("N48_D16_causal", "N40_D16_full")
-CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs",),
+CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs", "masked"),
           "c": ("eager", "compiled", "reduce_overhead"),
           "t": tuple(p.name for p in sorted((ROOT / "tests").glob("test_triton_*.py"))
                      if p.name != "test_triton_tuning.py")}
@@ -58,6 +58,10 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
                                         "all_beta", "all_fp32_o"}
         assert all(v["tflops"]["fwd_bwd"] > 0 for v in res["variants"].values())
         assert set(res["fwd_bwd_ratios"]) == set(res["meets_target"])
+        masked = got["masked"]["result"]
+        assert set(masked["fwd_bwd_ms"]) == {"plain_full", "plain_causal", "key_padding",
+                                             "softcap", "sliding_window", "sdpa_key_padding"}
+        assert all(r > 0 for r in masked["ratios"].values())
     if stage == "t":  # collected in the interpreter; on the GPU they run compiled
         assert all(" collected" in got[f]["result"]["summary"] for f in CHECKS["t"])
     if stage == "c":
