@@ -23,14 +23,10 @@ def check_int(name: str, value, *, min: int | None = None, max: int | None = Non
     """`value` if it is an int (not a bool) within [min, max]; else TypeError (not an
     int) or ValueError (out of range) naming `name`, the value and the range. `hint`,
     when given, ends the message (e.g. the default, or what 0 means)."""
-    want = "an int" + (f" ≥ {min}" if min is not None and max is None else "") + (
-        f" in [{min}, {max}]" if min is not None and max is not None else "") + (
-        f" ≤ {max}" if max is not None and min is None else "")
-    tail = f"; {hint}" if hint else ""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__}){tail}")
+        raise TypeError(_message(name, _int_range(min, max), value, hint, typed=True))
     if (min is not None and value < min) or (max is not None and value > max):
-        raise ValueError(f"{name} must be {want}, got {value!r}{tail}")
+        raise ValueError(_message(name, _int_range(min, max), value, hint))
     return value
 
 
@@ -41,22 +37,39 @@ def check_float(name: str, value, *, min: float | None = None, max: float | None
     `above` exclusive (give it instead of `min`). Else TypeError (not a number) or
     ValueError (NaN, inf, out of range) naming `name`, the value and the range. `hint`,
     when given, ends the message."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(_message(name, _float_range(min, max, above, finite), value, hint,
+                                 typed=True))
+    x = float(value)
+    if math.isnan(x) or (finite and math.isinf(x)) or (above is not None and x <= above) \
+            or (min is not None and x < min) or (max is not None and x > max):
+        raise ValueError(_message(name, _float_range(min, max, above, finite), value, hint))
+    return x
+
+
+# The messages are built only when a check fails: check_inputs runs these on every
+# flashwatch.attention call.
+def _int_range(min, max) -> str:
+    if min is not None and max is not None:
+        return f"an int in [{min}, {max}]"
+    return "an int" + (f" ≥ {min}" if min is not None else "") + (
+        f" ≤ {max}" if max is not None else "")
+
+
+def _float_range(min, max, above, finite) -> str:
     lower = f"> {above:g}" if above is not None else f"≥ {min:g}" if min is not None else ""
     if max is not None:
         lower = f"≤ {max:g}" if not lower else (
             f"in ({above:g}, {max:g}]" if above is not None else f"in [{min:g}, {max:g}]")
     parts = ", ".join(p for p in ("finite" if finite else "", lower) if p)
     # "a positive number": > 0 is the usual bound, and MonitorGroup's message says so
-    want = ("a positive number" if above == 0 and max is None else "a number") + (
+    return ("a positive number" if above == 0 and max is None else "a number") + (
         f" ({parts})" if parts else "")
-    tail = f"; {hint}" if hint else ""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be {want}, got {value!r} ({type(value).__name__}){tail}")
-    x = float(value)
-    if math.isnan(x) or (finite and math.isinf(x)) or (above is not None and x <= above) \
-            or (min is not None and x < min) or (max is not None and x > max):
-        raise ValueError(f"{name} must be {want}, got {value!r}{tail}")
-    return x
+
+
+def _message(name: str, want: str, value, hint: str, typed: bool = False) -> str:
+    kind = f" ({type(value).__name__})" if typed else ""
+    return f"{name} must be {want}, got {value!r}{kind}" + (f"; {hint}" if hint else "")
 
 
 def check_bool(name: str, value, *, hint: str = "") -> bool:

@@ -104,16 +104,20 @@ def is_masked(mask_kind: int, softcap: bool) -> bool:
     return bool(mask_kind) or bool(softcap)
 
 
+# (backward, masked) -> (tuned space, fixed config), per head dim
+_TABLES = {(False, False): (FWD_SPACE, FWD_FIXED),
+           (False, True): (FWD_SPACE_MASKED, FWD_FIXED_MASKED),
+           (True, False): (BWD_SPACE, BWD_FIXED),
+           (True, True): (BWD_SPACE_MASKED, BWD_FIXED_MASKED)}
+
+
 def tuned_space(d: int, *, backward: bool, masked: bool, autotune: bool | None = None
                 ) -> list[tuple]:
     """The configs the autotuner may pick for head dim d: the tuned space, or the one
     fixed config without autotuning (default: FLASHWATCH_TRITON_AUTOTUNE=0)."""
+    space, fixed = _TABLES[bool(backward), bool(masked)]
     if AUTOTUNE if autotune is None else autotune:
-        spaces = ((BWD_SPACE_MASKED if masked else BWD_SPACE) if backward
-                  else (FWD_SPACE_MASKED if masked else FWD_SPACE))
-        return list(spaces[_space_d(d)])
-    fixed = ((BWD_FIXED_MASKED if masked else BWD_FIXED) if backward
-             else (FWD_FIXED_MASKED if masked else FWD_FIXED))
+        return list(space[_space_d(d)])
     return [fixed[_space_d(d)]]
 
 
