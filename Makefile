@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # machine's disk; anywhere else pip fetches the same version from PyPI.
 TORCH_PIN ?= torch==2.13.0
 TRITON_PIN ?= triton==3.9.0
-# tests/test_prometheus.py and tests/test_dashboards*.py run a real Prometheus server and
+# tests/integrations/test_prometheus.py and tests/test_dashboards*.py run a real Prometheus server and
 # promtool: Debian's package has both and installs without starting a daemon.
 APT_INSTALL := apt-get install -y --no-install-recommends
 PROMETHEUS_HINT := prometheus and promtool are missing; the Prometheus tests need them. \

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import flashwatch as fw  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from flashwatch import dispatch as fw_dispatch  # noqa: E402
+from flashwatch.kernels import dispatch as fw_dispatch  # noqa: E402
 
 ARMS = ("plain", "sdpa_sampled", "sdpa_all", "own_sampled", "own_all")
 

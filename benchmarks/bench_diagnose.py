@@ -1,4 +1,4 @@
-"""Time and memory of `flashwatch.diagnose` on a GPT-2-shaped 124M-parameter model, CPU.
+"""Time and memory of `flashwatch.diagnosis.diagnose` on a GPT-2-shaped 124M-parameter model, CPU.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diagnose.py --batches 4 --block 1024 \
         --dtype float32

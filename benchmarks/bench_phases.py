@@ -39,10 +39,13 @@ def time_parts() -> dict:
     run. Indentation in the names: called inside the one above."""
     import functools
 
-    from flashwatch import capture as C
-    from flashwatch import monitored_step as M
-    from flashwatch import policy, probe, reduce, signals
     from flashwatch import watcher as W
+    from flashwatch.mitigation import policy
+    from flashwatch.monitor import capture as C
+    from flashwatch.monitor import monitored_step as M
+    from flashwatch.monitor import probe
+    from flashwatch.parallel import reduce
+    from flashwatch.signals import drift as signals
 
     spent: dict = {}  # in the order below: each name before the ones it calls
 

@@ -22,7 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from flashwatch import aggregate, reduce  # noqa: E402
+from flashwatch.monitor import aggregate  # noqa: E402
+from flashwatch.parallel import reduce
 
 
 def _worker(rank, world, init_file, heads, reps, out):

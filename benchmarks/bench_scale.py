@@ -5,7 +5,7 @@ Usage: python benchmarks/bench_scale.py [--steps 5] [--d-head 8] [--seq 64] [--t
 1. A watcher over synthetic Llama-named models of 1×16, 16×64 and 80×64 heads (d_head
    and the sequence small, see the flags): per monitored step (every_n_steps=1, median
    of --steps), the time of the probe (forward + gradient hooks, the watcher's own
-   count), of watcher.step() and inside it the W^Q norms (flashwatch/spectral.py's
+   count), of watcher.step() and inside it the W^Q norms (flashwatch/signals/spectral.py's
    Gram-matrix norm: these weights are whole, not sharded), the cross-rank
    reduction (one process: the packing only), signals + policy and the rest (the
    per-head records); the exporter's write and page render (PrometheusSink without a
@@ -38,10 +38,10 @@ from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import flashwatch as fw  # noqa: E402
-import flashwatch.monitored_step as fw_step  # noqa: E402
+import flashwatch.monitor.monitored_step as fw_step  # noqa: E402
 from flashwatch import HeadRecord, Mode, StepReport  # noqa: E402
 from flashwatch.integrations.prometheus import PrometheusSink  # noqa: E402
-from flashwatch.sinks import DEFAULT_FULL_EVERY, JsonlSink  # noqa: E402
+from flashwatch.report.sinks import DEFAULT_FULL_EVERY, JsonlSink  # noqa: E402
 
 
 class Attention(nn.Module):
@@ -298,7 +298,7 @@ def main() -> None:
 
     print("\n3. Collective bytes per rank and monitored step (float64; n = 5,120, k = 8)")
     n, k = 5120, 8
-    S = 8 * n * (12 + k * k)  # the packed payload of one rank (flashwatch/reduce.py)
+    S = 8 * n * (12 + k * k)  # the packed payload of one rank (flashwatch/parallel/reduce.py)
     print(f"payload S = 8·n·(12+k²) = {S:,} bytes")
     print("| ranks | all_gather (old): received (W−1)·S | SUM+MAX all_reduce: ≈ 2(W−1)/W·S "
           "each way |")

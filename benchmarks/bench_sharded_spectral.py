@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from flashwatch import distributed as fw_dist  # noqa: E402
-from flashwatch.sites import find_sites  # noqa: E402
-from flashwatch.spectral import gram_norm, power_iteration  # noqa: E402
+from flashwatch.parallel import sharding as fw_dist  # noqa: E402
+from flashwatch.signals.spectral import gram_norm, power_iteration  # noqa: E402
+from flashwatch.sites.site import find_sites  # noqa: E402
 
 
 class Attention(nn.Module):

@@ -131,7 +131,7 @@ def overhead(steps: int, compiled: bool = False, every: int = 10, device: str = 
     print(f"| paired amortised ratio (± 2 s.e.) | {1 + statistics.mean(every_extra) / base:.4f} "
           f"± {2 * _stderr(every_extra) / base:.4f} |")
     # The same from the monitored steps alone: an unmonitored step runs no flashwatch
-    # code in the model (tests/test_attach.py counts it), so its true extra is 0 and
+    # code in the model (tests/monitor/test_attach.py counts it), so its true extra is 0 and
     # its paired mean above is noise (±1 ms a step here).
     print(f"| amortised from the monitored extra, 1 + extra / (every · step) (± 2 s.e.) | "
           f"{1 + statistics.mean(paired['mon']) / (every * base):.4f} ± "

@@ -3,7 +3,7 @@
 Usage: python benchmarks/bias_lean.py [--rows 4096]
 Rows: max r_m at key 0 (and key 1 when tied), 62 other keys 10-14 nats lower, V < 0 in
 [-2.5, -1.5]. lean = mean(err)/mean(|err|) of O against FP64: -1 means every error has
-V's sign, 0 no lean. The planted rows are the ones tests/test_reference.py asserts on.
+V's sign, 0 no lean. The planted rows are the ones tests/kernels/test_reference.py asserts on.
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ def native_tests(name: str, dry: bool) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1" if dry else "0",
                FLASHWATCH_TRITON_AUTOTUNE="0", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-           *(["--collect-only"] if dry else []), str(ROOT / "tests" / name)]
+           *(["--collect-only"] if dry else []), str(ROOT / "tests" / "kernels" / name)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=CHECK_TIMEOUT_S["t"] - 10)
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]

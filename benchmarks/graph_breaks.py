@@ -1,10 +1,10 @@
 """Graph breaks torch.compile (Dynamo) finds in a watched model's forward, unmonitored
 and monitored step (the first one, before the watcher has seen the layers' calls, and a
-later one, with the probe traced into the graph: flashwatch/traced.py), for
+later one, with the probe traced into the graph: flashwatch/monitor/traced.py), for
 examples/gpt.py's GPT and a tiny Hugging Face Llama (CPU):
     python benchmarks/graph_breaks.py
 Printed side by side with the unwatched model's count; nothing is asserted here
-(tests/test_compile.py asserts the GPT's 0 on unmonitored steps).
+(tests/monitor/test_compile.py asserts the GPT's 0 on unmonitored steps).
 """
 
 from __future__ import annotations

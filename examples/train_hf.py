@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from flashwatch.integrations.transformers import FlashWatchTrainerCallback  # noqa: E402
-from flashwatch.sinks import JsonlSink  # noqa: E402
+from flashwatch.report.sinks import JsonlSink  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import flashwatch as fw  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
-from flashwatch.sinks import ConsoleSink, JsonlSink  # noqa: E402
+from flashwatch.report.sinks import ConsoleSink, JsonlSink  # noqa: E402
 
 
 def main() -> None:

@@ -6,17 +6,17 @@ sinks in `flashwatch.sinks`; `diagnose` measures a saved model's heads offline
 (docs/diagnose.md).
 """
 
+from flashwatch import sinks
 from flashwatch.config import WatchConfig
-from flashwatch.diagnose import diagnose
-from flashwatch.dispatch import attention
-from flashwatch.explicit_sites import make_site
+from flashwatch.diagnosis.diagnose import diagnose
 from flashwatch.kernels.common import AttentionStats, Mode
-from flashwatch.report import Event, HeadRecord, StepReport
-from flashwatch.sites import AttentionSite, find_sites
+from flashwatch.kernels.dispatch import attention
+from flashwatch.report.records import Event, HeadRecord, StepReport
+from flashwatch.sites import AttentionSite, find_sites, make_site
 from flashwatch.watcher import Watcher, watch
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionSite", "AttentionStats", "Event", "HeadRecord", "Mode", "StepReport",
-           "WatchConfig", "Watcher", "attention", "diagnose", "find_sites", "make_site", "watch",
-           "__version__"]
+           "WatchConfig", "Watcher", "attention", "diagnose", "find_sites", "make_site", "sinks",
+           "watch", "__version__"]

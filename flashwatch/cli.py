@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from flashwatch.runreport import make_report
+    from flashwatch.report.runreport import make_report
 
     try:
         written = make_report(args.run_dir, args.out)
@@ -51,7 +51,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _diagnose(args: argparse.Namespace) -> int:
-    from flashwatch.diagnose_cli import run_diagnose
+    from flashwatch.diagnosis.cli import run_diagnose
 
     try:
         written = run_diagnose(args)

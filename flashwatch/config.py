@@ -7,7 +7,7 @@ import difflib
 from dataclasses import asdict, dataclass, fields
 
 from flashwatch._checks import check_bool, check_float, check_int
-from flashwatch.dispatch import BACKENDS
+from flashwatch.kernels.dispatch import BACKENDS
 
 MITIGATIONS = ("off", "advise", "auto")
 
@@ -67,7 +67,7 @@ class WatchConfig:
     # Zero-mean: ≈ 1/sqrt(window) = 0.125; a unit rank-1 bias b·R in k×k noise of std σ
     # per entry gives ≈ sqrt(W²b² + Wk²σ²) / (W sqrt(b² + k²σ²)) over W steps: 0.175 at
     # b = σ, k = 8, W = 64; the earlier default 0.3 missed biases below b ≈ 2.3σ
-    # (tests/test_signals.py).
+    # (tests/signals/test_signals.py).
     coherence_threshold: float = 0.15
     spectral_growth_threshold: float = 0.2
     spectral_growth_factor: float = 3.0
@@ -78,7 +78,7 @@ class WatchConfig:
     verify_steps: int = 32
     # For a W^Q sharded over ranks (FSDP2 rows; a W^Q this process holds whole needs no
     # iteration: its norm comes from the small d_head × d_head Gram matrix,
-    # flashwatch/spectral.py): the least number of warm-started power-iteration steps
+    # flashwatch/signals/spectral.py): the least number of warm-started power-iteration steps
     # per monitored step; it goes on until σ changes by < 1e-5 (relative), at most
     # power_max_iters.
     power_iters: int = 4
@@ -90,7 +90,8 @@ class WatchConfig:
     # lower it (≥ power_iters) to bound that.
     power_max_iters: int = 100
 
-    # ---- Policy v2 (issue 13): two hazards, each with its own fix (flashwatch/policy.py)
+    # ---- Policy v2 (issue 13): two hazards, each with its own fix
+    # (flashwatch/mitigation/policy.py)
     # The δ error's share of the head's W^Q gradient at or above which a head goes to
     # FP32_O directly (no tie gate). Measured 0.002 at initialisation, 0.014 at logits
     # ≈ 17, per-run medians 0.02–0.21 in a fused kernel and 0.14–0.40 in the paper's
@@ -99,7 +100,7 @@ class WatchConfig:
     # --seed 0` (and 1), lr 3e-3: share median 0.0008, 99th percentile 0.006–0.008 over
     # 4,800 head-steps each, no event from any rule. Synthetic streams: 0 of 200 heads
     # switched in 1000 monitored steps at a true share of 0.07, all 200 at 0.2
-    # (tests/test_policy_rules.py).
+    # (tests/mitigation/test_policy_rules.py).
     delta_share_threshold: float = 0.1
     # Consecutive monitored steps at or above the threshold before acting (one noisy
     # 64-row estimate never acts).
@@ -110,7 +111,7 @@ class WatchConfig:
     # policy picks FP32_O, and a BETA head whose logits outgrow it goes to FP32_O. On
     # backend="paper" the limit is at most 20: the authors' unguarded rule floors a tied
     # row's block sum from ≈ 23.7 nats (O shrinks) and zeroes rows from ≈ 88 nats
-    # (tests/test_policy_rules.py).
+    # (tests/mitigation/test_policy_rules.py).
     beta_max_excess: float = 60.0
     # The W^Q-growth rule flags a head only while its max logit is at least this. At
     # ordinary settings logits stay at 15–18 (lr 3e-3, docs/REPRODUCTION.md §1; the demo
@@ -120,7 +121,7 @@ class WatchConfig:
     # without the floor (seeds 0, 1), all at max logits ≤ 15; none with it.
     growth_min_logit: float = 100.0
 
-    # ---- QK-clip (opt-in; flashwatch/qkclip.py). Changes the model, unlike BETA and
+    # ---- QK-clip (opt-in; flashwatch/mitigation/qkclip.py). Changes the model, unlike BETA and
     # FP32_O. τ: after each monitored step, heads whose max logit exceeds τ get W^Q rows
     # × η^α and W^K rows × η^(1−α), η = τ / max logit (Kimi K2 MuonClip, Megatron-LM
     # --qk-clip; Megatron's τ is 100). None: off. α: the share of the reduction put on
@@ -128,7 +129,7 @@ class WatchConfig:
     qk_clip_threshold: float | None = None
     qk_clip_alpha: float = 0.5
 
-    # ---- torch.distributed (flashwatch/reduce.py). The monitor talks on its own gloo
+    # ---- torch.distributed (flashwatch/parallel/reduce.py). The monitor talks on its own gloo
     # group; a rank waits at most this long in one of its collectives for a rank that
     # never comes (e.g. one that skipped a watcher.step()), then the group is marked
     # broken, the error counted, and training goes on without cross-rank decisions. Keep

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import flashwatch as fw
-from flashwatch.sinks import ConsoleSink, JsonlSink
+from flashwatch.report.sinks import ConsoleSink, JsonlSink
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "mat", "log", "a", "big",
          "red", "old", "and", "then", "it", "slept", "barked", "again"]

@@ -19,7 +19,7 @@ host (what `torch.zeros(3)` makes on a CUDA machine too).
   - `t.device` of a device tensor reads DEVICE (cpu:0, still of type "cpu", so CPU code
     paths are unchanged), so `torch.zeros(n, device=q.device)`, `x.to(q.device)` and
     `t.device != q.device` behave as on CUDA: factories given DEVICE make device tensors.
-  - flashwatch/smallops.py takes torch's path while counting (NUMPY_CPU off): its numpy
+  - flashwatch/signals/smallops.py takes torch's path while counting (NUMPY_CPU off): its numpy
     path exists for CPU tensors only and would read device tensors as numpy.
   - ops outside aten are opaque, outputs placed with their inputs: flashwatch's
     torch.library attention ops (on CUDA the Triton launcher: host code reading `modes`
@@ -186,7 +186,7 @@ class SyncCounter:
 
     # -- context --------------------------------------------------------------------
     def __enter__(self) -> SyncCounter:
-        from flashwatch import smallops
+        from flashwatch.signals import smallops
 
         if SyncCounter._active:
             raise RuntimeError("a SyncCounter is already counting; one at a time (it "
@@ -199,7 +199,7 @@ class SyncCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        from flashwatch import smallops
+        from flashwatch.signals import smallops
 
         for m in reversed(self._modes):
             m.__exit__(*exc)

@@ -3,15 +3,15 @@
 The Watcher is a façade: cadence, pause, hand-set modes, state_dict, remove, the error
 ledger. The work happens in rooms with named interfaces (docs/design.md §2):
 
-  forward   flashwatch/attach.py wraps each watched layer's forward; on monitored steps
+  forward   flashwatch/monitor/attach.py wraps each watched layer's forward; on monitored steps
             and at routed layers its attention calls reach the Recorder
-            (flashwatch/capture.py): routed to flashwatch's kernel with the layer's
-            modes, probed on measured steps (compiled code: flashwatch/traced.py).
+            (flashwatch/monitor/capture.py): routed to flashwatch's kernel with the layer's
+            modes, probed on measured steps (compiled code: flashwatch/monitor/traced.py).
   backward  the Recorder's gradient hooks compute c[T] and reduce each micro-batch's
-            samples (flashwatch/probe.py) into the layers' StepBuffers, on the device.
-  step()    flashwatch/monitored_step.py: buffers → one move to the host → one reduction
-            on the monitor's own group (flashwatch/reduce.py) → named per-head arrays
-            (flashwatch/aggregate.py) → signals, policy, vote, QK-clip → a StepReport.
+            samples (flashwatch/monitor/probe.py) into the layers' StepBuffers, on the device.
+  step()    flashwatch/monitor/monitored_step.py: buffers → one move to the host → one reduction
+            on the monitor's own group (flashwatch/parallel/reduce.py) → named per-head arrays
+            (flashwatch/monitor/aggregate.py) → signals, policy, vote, QK-clip → a StepReport.
 Failures inside flashwatch are logged once, counted and never raised into training, and
 every rank issues the same collectives whatever failed on it.
 """
@@ -27,18 +27,19 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from flashwatch import reduce, traced
-from flashwatch.attach import Attachment
-from flashwatch.capture import Cadence, Recorder
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
-from flashwatch.layer_state import LayerState
-from flashwatch.layouts import QCheck
-from flashwatch.ledger import ErrorLedger
-from flashwatch.monitored_step import StepPipeline
-from flashwatch.report import StepReport
-from flashwatch.sinks import Sink
-from flashwatch.sites import find_sites
+from flashwatch.monitor import traced
+from flashwatch.monitor.attach import Attachment
+from flashwatch.monitor.capture import Cadence, Recorder
+from flashwatch.monitor.layer_state import LayerState
+from flashwatch.monitor.ledger import ErrorLedger
+from flashwatch.monitor.monitored_step import StepPipeline
+from flashwatch.parallel import reduce
+from flashwatch.report.records import StepReport
+from flashwatch.report.sinks import Sink
+from flashwatch.sites.layouts import QCheck
+from flashwatch.sites.site import find_sites
 
 log = logging.getLogger("flashwatch")
 
@@ -86,7 +87,7 @@ class Watcher:
         self._ledger = ErrorLedger()
         self._recorder = Recorder(self, cfg, self._states, self._cadence, self._ledger)
         # The monitor's own process group, created here on every rank (a collective):
-        # nothing of ours can pair with a training collective (flashwatch/reduce.py).
+        # nothing of ours can pair with a training collective (flashwatch/parallel/reduce.py).
         monitor = reduce.MonitorGroup(cfg.collective_timeout_s)
         monitor.check_same(heads=sum(s.num_heads for s in self.sites), layers=len(self.sites),
                            sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
@@ -122,13 +123,13 @@ class Watcher:
     @property
     def layer_states(self) -> list[LayerState]:
         """Test and debugging hook: each watched layer's runtime state
-        (flashwatch/layer_state.py). Read it; it is not a stable API."""
+        (flashwatch/monitor/layer_state.py). Read it; it is not a stable API."""
         return list(self._states)
 
     @property
     def recorder(self) -> Recorder:
         """Test and debugging hook: the Recorder its layers' calls and gradients reach
-        (flashwatch/capture.py), with the cadence and the step's probe totals. Read it;
+        (flashwatch/monitor/capture.py), with the cadence and the step's probe totals. Read it;
         it is not a stable API."""
         return self._recorder
 
@@ -159,7 +160,7 @@ class Watcher:
                              f"{[s.site.name for s in self._states]}")
         new = normalize_head_modes(modes, st.site.num_heads)
         self._pipeline.user_change(st, new, self._step)
-        self._stance()  # a routed layer runs eagerly (flashwatch/attach.py)
+        self._stance()  # a routed layer runs eagerly (flashwatch/monitor/attach.py)
 
     def step(self) -> StepReport | None:
         """Call once per optimizer step. Returns the report of a monitored step, else None."""
@@ -214,7 +215,7 @@ class Watcher:
         }
 
     def load_state_dict(self, sd: dict) -> None:
-        from flashwatch.report import Event
+        from flashwatch.report.records import Event
 
         if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
             raise ValueError(f"not a flashwatch Watcher state (version "
@@ -275,7 +276,7 @@ class Watcher:
 
     def _arm(self) -> None:
         """The X and ‖dW^Q‖² hooks run on monitored steps only, and measured steps run
-        compiled code eagerly (flashwatch/attach.py)."""
+        compiled code eagerly (flashwatch/monitor/attach.py)."""
         if self._cadence.monitoring:
             self._attachment.arm(self._states)
         else:
@@ -284,7 +285,7 @@ class Watcher:
 
     def _stance(self) -> None:
         """A measured step stays compiled when every layer can run the traced probe
-        (flashwatch/traced.py); else every compiled function runs it eagerly."""
+        (flashwatch/monitor/traced.py); else every compiled function runs it eagerly."""
         for st in self._states:
             st.compiled.traced = st.traceable()
         self._attachment.force_eager(

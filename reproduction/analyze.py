@@ -17,7 +17,7 @@ import json
 import math
 from pathlib import Path
 
-from flashwatch.runreport import load_run
+from flashwatch.report.runreport import load_run
 from reproduction.run import ARMS, CONFIGS, loss_ema
 
 DRIFT_Z = 4.0  # WatchConfig.drift_z_threshold

@@ -45,7 +45,7 @@ import torch
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch.demo import make_corpus
-from flashwatch.sinks import JsonlSink
+from flashwatch.report.sinks import JsonlSink
 from reproduction.fp32_delta import Fp32DeltaAttention, RouteSDPA
 
 ARMS = ("unmitigated", "auto", "fp32_o", "beta", "fp32_delta", "qk_clip", "fused")

@@ -98,9 +98,9 @@ from pathlib import Path
 import numpy as np
 
 from flashwatch.config import WatchConfig
-from flashwatch.report import _json_float
-from flashwatch.runreport import load_run
-from flashwatch.sinks import read_jsonl
+from flashwatch.report.records import _json_float
+from flashwatch.report.runreport import load_run
+from flashwatch.report.sinks import read_jsonl
 from reproduction.run import EMA, QK_CLIP_TAU, SPIKE_NATS, first_spike, loss_ema
 
 GAP_NATS = 0.2  # degradation: the loss EMA this far above the fused twin's ...

@@ -26,10 +26,10 @@ from torch import nn
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, Mode
-from flashwatch import dispatch as fw_dispatch
 from flashwatch.config import WatchConfig
-from flashwatch.policy import Policy
-from flashwatch.signals import SignalValues
+from flashwatch.kernels import dispatch as fw_dispatch
+from flashwatch.mitigation.policy import Policy
+from flashwatch.signals.drift import SignalValues
 from standins import LlamaConfig, TiedAttention, TinyLlama, leaning_dispatch
 
 SMALL = dict(block_size=32, vocab_size=64, n_layer=2, n_head=4, n_embd=64)

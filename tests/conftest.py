@@ -52,7 +52,7 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()  # watchers the test dropped give the stance back when collected
         left = eval_frame._stance.stance
         if left != "default":
-            from flashwatch import attach
+            from flashwatch.monitor import attach
 
             eval_frame._set_stance(eval_frame.DynamoStance("default"))
             attach._MEASURING.clear()

@@ -1,5 +1,5 @@
 """A Lightning fit on 2 CPU processes with FSDP2 (`ModelParallelStrategy`, layers built
-and `fully_shard`-ed in configure_model), for tests/test_lightning_strategies.py.
+and `fully_shard`-ed in configure_model), for tests/integrations/test_lightning_strategies.py.
 
 Run as `python tests/fsdp2_job.py OUT_DIR`: Lightning starts the second process by
 running this script again; each rank saves its reports and the exact W^Q norms of the

@@ -1,6 +1,6 @@
 """A small watched training job and a real Prometheus server scraping it, for tests.
 
-Shared by tests/test_prometheus.py and tests/test_dashboards.py.
+Shared by tests/integrations/test_prometheus.py and tests/test_dashboards.py.
 """
 
 from __future__ import annotations

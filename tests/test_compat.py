@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import flashwatch as fw
-from flashwatch import Mode, dispatch
+from flashwatch import Mode
 from flashwatch.integrations import hf_attention
-from flashwatch.layouts import QCheck
-from flashwatch.qkclip import qk_norm
+from flashwatch.kernels import dispatch
+from flashwatch.mitigation.qkclip import qk_norm
+from flashwatch.sites.layouts import QCheck
 from standins import HF_ARCHS, hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,7 +59,7 @@ def _split(w, H, parts, D):  # [out, C] viewed per head: [H, parts, D, C]
 
 
 # W^Q per head [H, D, C] as each modeling_*.py splits its projection (written from the
-# modeling code, not from flashwatch/layouts.py).
+# modeling code, not from flashwatch/sites/layouts.py).
 TRUE_WQ = {
     "gpt_neox": lambda a: _split(a.query_key_value.weight, 4, 3, 8)[:, 0],
     "falcon": lambda a: _split(a.query_key_value.weight, 4, 3, 8)[:, 0],
@@ -274,8 +275,8 @@ def _modes(model, w, inputs, recipe, layer) -> str:
 def test_interleaved_layouts_count_their_own_q_gradient():
     """‖dW^Q_h‖² (delta_error_share's denominator) of GPT-NeoX's per-head [q|k|v] rows:
     the Q rows as modeling_gpt_neox splits them, not the first H·D rows."""
-    from flashwatch.distributed import wq_grad_sq
-    from flashwatch.sites import find_sites
+    from flashwatch.parallel.sharding import wq_grad_sq
+    from flashwatch.sites.site import find_sites
 
     site = find_sites(hf_tiny("gpt_neox")[0])[0]
     grad = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
@@ -317,7 +318,7 @@ def table() -> str:
         "*QK-clip*: τ = half the smallest max logit, two monitored steps on one input;",
         "`yes (n confirmed)` counts clips the next measurement confirmed; `refused`",
         "layers are left untouched (their q/k norm undoes any scaling of W^Q, W^K).",
-        "Refused architectures make no SDPA call (flashwatch/eager_attention.py);",
+        "Refused architectures make no SDPA call (flashwatch/sites/eager_attention.py);",
         'Gemma2 is watched with attn_implementation="fw_attention"',
         "(flashwatch/integrations/hf_attention.py).",
         "Not in the installed transformers, so not tested: "

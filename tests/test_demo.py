@@ -1,4 +1,4 @@
-"""flashwatch/demo.py, flashwatch/runreport.py and the CLI around them, end to end."""
+"""flashwatch/demo.py, flashwatch/report/runreport.py and the CLI around them, end to end."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flashwatch.cli import main
-from flashwatch.runreport import PLOTS
+from flashwatch.report.runreport import PLOTS
 
 RUN_FILES = ("flashwatch.jsonl", "train.jsonl", "watcher_state.pt", "head_modes.json",
              "summary.json")

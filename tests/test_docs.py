@@ -7,7 +7,7 @@ the reader's own script are fragments, marked either in the fence (```python fra
 or by an HTML comment starting `<!-- fragment` on the line before the fence; a fragment
 must still compile. A failure names the file and the line of the block's fence.
 
-Also checked: the README's metrics table is flashwatch/metrics.py's, the README links
+Also checked: the README's metrics table is flashwatch/report/metrics.py's, the README links
 every page of docs/, relative links lead to files, and docs/design.md's module map names
 every module, benchmark, shared test file and docs page, and no module that is not there.
 """
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import pytest
 
-from flashwatch.metrics import METRICS
+from flashwatch.report.metrics import METRICS
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -140,7 +140,7 @@ def test_readme_quickstarts_are_executed_not_fragments():
 
 
 def metrics_table() -> list[str]:
-    """The README's metrics table, rendered from the one table (flashwatch/metrics.py):
+    """The README's metrics table, rendered from the one table (flashwatch/report/metrics.py):
     every per-head metric that has a healthy range."""
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     rows = ["| metric | meaning | healthy |", "|---|---|---|"]
@@ -156,7 +156,7 @@ def test_readme_metrics_table_is_the_metrics_table():
     want = metrics_table()
     assert len(want) >= 12  # the table must not lose its rows unnoticed
     assert lines[at:end] == want, ("README.md's metrics table differs from "
-                                   "flashwatch/metrics.py; paste this:\n" + "\n".join(want))
+                                   "flashwatch/report/metrics.py; paste this:\n" + "\n".join(want))
 
 
 def test_readme_links_every_docs_page():
@@ -187,32 +187,68 @@ def _names(name: str, text: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", text) is not None
 
 
-MODULE_DIRS = ("flashwatch", "flashwatch/kernels", "flashwatch/integrations")
+PACKAGE = ROOT / "flashwatch"
+PARTS = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))  # kernels, monitor, ...
+
+
+def _package_block(section: str) -> str:
+    start = section.index("flashwatch/    the package")
+    return section[start:section.index("\ndashboards/", start)]
+
+
+def _folder_blocks(section: str) -> dict[str, str]:
+    """The map's flashwatch/ block cut at each `  <part>/` line: {"": the package's own
+    modules, "kernels": kernels/'s entry, ...}."""
+    blocks, name = {"": ""}, ""
+    for line in _package_block(section).split("\n"):
+        m = re.match(r"^  (\w+)/\s", line)
+        if m:
+            name = m.group(1)
+            blocks[name] = ""
+        blocks[name] += line + "\n"
+    return blocks
 
 
 def test_design_module_map_names_every_module():
-    """docs/design.md §2 names every module of flashwatch/ and its kernels/ and
-    integrations/, every benchmark script, every test file that is not a test_*.py, and
-    every page of docs/."""
+    """docs/design.md §2 names every module of flashwatch/ in the block of its own folder
+    (every subpackage has a block), every benchmark script, every test file that is not a
+    test_*.py, and every page of docs/."""
     section = _module_map()
-    files = [ROOT / d / p.name for d in MODULE_DIRS for p in sorted((ROOT / d).glob("*.py"))
-             if p.name != "__init__.py"]
-    files += sorted((ROOT / "benchmarks").glob("*.py"))
+    blocks = _folder_blocks(section)
+    assert sorted(set(blocks) - {""}) == PARTS, "the map's folders are not the package's"
+    missing = [f"flashwatch/{part + '/' if part else ''}{p.name}"
+               for part in ("", *PARTS) for p in sorted((PACKAGE / part).glob("*.py"))
+               if p.name != "__init__.py" or part == ""
+               if not _names(p.name, blocks[part])]
+    files = sorted((ROOT / "benchmarks").glob("*.py"))
     files += [p for p in sorted((ROOT / "tests").glob("*.py"))
               if not p.name.startswith("test_") and p.name != "__init__.py"]
     files += [p for p in sorted(DOCS.glob("*.md")) if p.name != "design.md"]
-    missing = [str(p.relative_to(ROOT)) for p in files if not _names(p.name, section)]
+    missing += [str(p.relative_to(ROOT)) for p in files if not _names(p.name, section)]
     assert not missing, f"docs/design.md §2 (module map) does not name {missing}"
 
 
 def test_design_module_map_names_no_module_that_does_not_exist():
-    """Every *.py the map's flashwatch/ block names is a module of the package."""
-    section = _module_map()
-    start = section.index("flashwatch/    the core")
-    block = section[start:section.index("\ndashboards/", start)]
-    modules = {p.name for d in MODULE_DIRS for p in (ROOT / d).glob("*.py")}
-    named = set(re.findall(r"(?<![\w/])(\w+\.py)\b", block))
-    assert named and not named - modules, sorted(named - modules)
+    """Every *.py a folder's block of the map names is a module of that folder."""
+    wrong = []
+    for part, text in _folder_blocks(_module_map()).items():
+        named = set(re.findall(r"(?<![\w/])(\w+\.py)\b", text))
+        wrong += [f"{part}/{n}" for n in named if not (PACKAGE / part / n).exists()]
+        assert named, f"the map's {part or 'flashwatch'}/ block names no module"
+    assert not wrong, sorted(wrong)
+
+
+def test_tests_mirror_the_package():
+    """tests/<part>/ exists only for a part of the package, and a test of a part's module
+    sits in that part's folder (tests/monitor/test_probe.py for flashwatch/monitor/probe.py)."""
+    test_dirs = sorted(p.name for p in (ROOT / "tests").iterdir()
+                       if p.is_dir() and p.name != "__pycache__")
+    assert set(test_dirs) <= set(PARTS), test_dirs
+    misplaced = [f"{t.relative_to(ROOT)} (flashwatch/{part}/{t.name[5:]})"
+                 for part in PARTS for t in sorted((ROOT / "tests").rglob("test_*.py"))
+                 if (PACKAGE / part / t.name[5:]).exists() and t.parent.name != part
+                 and not (PACKAGE / t.name[5:]).exists()]
+    assert not misplaced, misplaced
 
 
 def test_readme_stays_a_ten_minute_read():

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GRID = ("N48_D16_causal", "N40_D16_full")
 CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs", "masked"),
           "c": ("eager", "compiled", "reduce_overhead"),
-          "t": tuple(p.name for p in sorted((ROOT / "tests").glob("test_triton_*.py"))
+          "t": tuple(p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_triton_*.py"))
                      if p.name != "test_triton_tuning.py")}
 
 

@@ -71,7 +71,7 @@ def test_core_and_demo_run_without_any_extra(tmp_path: Path):
     done = run_without(NO_LIGHTNING + NO_PLOTS + NO_TRANSFORMERS, f"""
         import torch
         import flashwatch as fw
-        import flashwatch.cli, flashwatch.runreport
+        import flashwatch.cli, flashwatch.report.runreport
         from flashwatch.integrations.prometheus import PrometheusSink
         from examples.gpt import GPT, GPTConfig
 
@@ -139,7 +139,7 @@ def test_diagnose_on_a_hugging_face_folder_without_transformers_names_the_extra(
     (tmp_path / "data.txt").write_text("hello world")
     done = run_without(NO_TRANSFORMERS, f"""
         from flashwatch.cli import main
-        from flashwatch.diagnose_load import load_tokens
+        from flashwatch.diagnosis.load import load_tokens
         try:
             load_tokens({str(tmp_path / "data.txt")!r}, {str(hf)!r})
         except ImportError as e:

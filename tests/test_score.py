@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from _helpers import FLAT, N, logit_above, spike_at, write_run
 
-from flashwatch.runreport import load_run
-from flashwatch.sinks import read_jsonl
+from flashwatch.report.runreport import load_run
+from flashwatch.report.sinks import read_jsonl
 from reproduction import score as S
 
 TH = S.THRESHOLDS

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashwatch import smallops
+from flashwatch.signals import smallops
 from flashwatch.synccount import DEVICE, SyncCounter
 
 

@@ -216,7 +216,7 @@ def test_a_raising_sink_or_probe_never_stops_training(monkeypatch, caplog):
     with caplog.at_level(logging.ERROR, logger="flashwatch"):
         reports, _ = train(model, w, 3)
         assert len(reports) == 3 and w.monitor_errors_total == 3
-        from flashwatch import probe
+        from flashwatch.monitor import probe
 
         def boom(*a, **k):
             raise RuntimeError("odd input")

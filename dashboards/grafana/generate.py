@@ -14,7 +14,7 @@ alert rules are derived from dashboards/prometheus/flashwatch-rules.yml (same ex
 `for`, labels and annotations), so the two alerting paths cannot disagree.
 
 Metric names, HELP texts and the healthy limits drawn as threshold lines come from the
-metrics table (flashwatch/metrics.py): a query naming a metric the table does not
+metrics table (flashwatch/report/metrics.py): a query naming a metric the table does not
 export fails here, and an exported metric no panel shows gets a panel of its own in the
 last row, described by its HELP text, so adding a metric to the table adds it here.
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from flashwatch import metrics
+from flashwatch.report import metrics
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_PATH = HERE / "flashwatch.json"
@@ -57,7 +57,7 @@ def _limit(name: str) -> float:
     """The metrics table's healthy limit of `name` (the alert threshold drawn as a line)."""
     limit = metrics.BY_NAME[name].limit
     if limit is None:
-        raise KeyError(f"{name} has no healthy limit in flashwatch/metrics.py")
+        raise KeyError(f"{name} has no healthy limit in flashwatch/report/metrics.py")
     return limit
 
 
@@ -275,7 +275,7 @@ def _checked_names(exprs: list[str]) -> set[str]:
     unknown = used - set(metrics.METRIC_NAMES)
     if unknown:
         raise ValueError(f"dashboard queries use {sorted(unknown)}, not exported by "
-                         f"flashwatch/metrics.py; fix the query or add the row")
+                         f"flashwatch/report/metrics.py; fix the query or add the row")
     return used
 
 

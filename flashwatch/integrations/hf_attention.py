@@ -35,7 +35,7 @@ except ImportError as e:
     raise missing_extra("transformers", "transformers",
                         "flashwatch.integrations.hf_attention") from e
 
-from flashwatch import dispatch
+from flashwatch.kernels import dispatch
 
 NAME = "fw_attention"
 

@@ -19,7 +19,7 @@ except ImportError as e:
 import flashwatch
 from flashwatch.config import WatchConfig
 from flashwatch.integrations import shared
-from flashwatch.report import StepReport
+from flashwatch.report.records import StepReport
 
 log = logging.getLogger("flashwatch")
 
@@ -82,7 +82,7 @@ class FlashWatchCallback(pl.Callback):
       flashwatch/<layer>/heads_flagged         heads the policy flags this step
       flashwatch/worst_<i>/<metric>            i = 1..top_k, heads by delta_drift_z
                                                (largest first); metric: the logged
-                                               rows of flashwatch.metrics (7),
+                                               rows of flashwatch.report.metrics (7),
       flashwatch/worst_<i>/layer_index         plus the head's position: layer index in
       flashwatch/worst_<i>/head                watch order, head index
       flashwatch/<layer>/head_<h>/<metric>     only with log_per_head=True: every metric

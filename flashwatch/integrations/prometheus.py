@@ -32,7 +32,7 @@ Design:
   two sinks in one process (tests, two models) never clash, and the default registry's
   process metrics are not mixed in. Mount it elsewhere with
   prometheus_client.make_wsgi_app(sink.registry) and start_server=False.
-- Names, types and HELP texts come from the metrics table (flashwatch/metrics.py):
+- Names, types and HELP texts come from the metrics table (flashwatch/report/metrics.py):
   `flashwatch_` + the report field name, base units (seconds, ratios, nats of scaled
   score, plain numbers), `_total` for counters, labels `layer` and `head` (+ `mode` on
   flashwatch_mitigations_total), never a step label: the step is its own gauge, so the
@@ -69,8 +69,8 @@ from flashwatch.integrations.prometheus_render import (
 )
 from flashwatch.integrations.prometheus_server import MetricsServer, bind_error, tls_context
 from flashwatch.kernels.common import Mode
-from flashwatch.metrics import METRIC_NAMES
-from flashwatch.report import StepReport
+from flashwatch.report.metrics import METRIC_NAMES
+from flashwatch.report.records import StepReport
 
 __all__ = ["DEFAULT_PORT", "METRIC_NAMES", "PrometheusSink", "render"]
 

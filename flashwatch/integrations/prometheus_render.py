@@ -15,7 +15,7 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from flashwatch.metrics import EXPORTED
+from flashwatch.report.metrics import EXPORTED
 
 # Per-head gauges, read from each HeadRecord (value order in Snapshot.heads).
 HEAD_GAUGES = tuple(m for m in EXPORTED if m.in_head_record and m.prometheus == "gauge")
@@ -69,8 +69,8 @@ def families(snap: Snapshot | None) -> list:
 
 def render(snap: Snapshot | None) -> bytes:
     """The text exposition format of a snapshot, byte for byte what prometheus_client's
-    generate_latest writes (tests/test_prometheus_render.py), 3–6× faster: label strings are
-    built once per head, not once per sample (5,120 heads: 66,563 samples,
+    generate_latest writes (tests/integrations/test_prometheus_render.py), 3–6× faster: label
+    strings are built once per head, not once per sample (5,120 heads: 66,563 samples,
     benchmarks/bench_scale.py)."""
     lines = []
     label_cache: dict = {}

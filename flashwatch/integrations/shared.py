@@ -8,11 +8,11 @@ import dataclasses
 import math
 
 import flashwatch
-from flashwatch import metrics
 from flashwatch._checks import check_bool, check_int
 from flashwatch.config import WatchConfig, unknown_fields
 from flashwatch.kernels.common import Mode
-from flashwatch.report import StepReport
+from flashwatch.report import metrics
+from flashwatch.report.records import StepReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Options:
         for s in self.sinks:
             if not callable(getattr(s, "write", None)):
                 raise TypeError(f"sinks: {s!r} has no write(report) method; pass flashwatch "
-                                f"sinks such as flashwatch.sinks.JsonlSink(path)")
+                                f"sinks such as flashwatch.report.sinks.JsonlSink(path)")
 
     def prometheus(self) -> dict | None:
         """PrometheusSink arguments of the callback's own endpoint, None for none."""

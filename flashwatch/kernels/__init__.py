@@ -1,6 +1,8 @@
-"""Attention kernels: the PyTorch reference (CPU, oracle) and, on CUDA, Triton.
+"""The attention op: `flashwatch.attention` (dispatch.py) over the PyTorch reference
+(CPU, the oracle), the paper's arithmetic and, on CUDA, the Triton kernels, with per-head
+modes and counters; registered with torch.library (ops.py) so torch.compile keeps it.
 
-Depends on torch (and triton for the GPU kernels) only.
+May import: torch, triton, flashwatch._checks. Nothing else of flashwatch.
 """
 
 from .common import AttentionStats, Mode

@@ -1,0 +1,342 @@
+"""Per-head QK-clip (opt-in, `WatchConfig.qk_clip_threshold`): bound the attention logits.
+
+Kimi K2's MuonClip and Megatron-LM's `--qk-clip`: after the optimizer
+step, a head h whose max logit m_h of the step exceeds τ gets
+
+    W^Q rows of h  × η_h^α,   W^K rows of h  × η_h^(1−α),   η_h = τ / m_h,
+
+so every logit of the head, q·k·scale, is multiplied by η_h and the step's max becomes τ.
+Grouped-query attention: a K head shared by a group of query heads is scaled by the
+smallest η of its group (the largest reduction), each query head by its own η^α; a
+clipped head's logits then shrink by η_h^α · η_min^(1−α) ≤ η_h.
+
+Biases: q = W x + b is scaled by η^α only if b is scaled too, so the Q and K biases of
+clipped heads are scaled with their rows (Qwen-style q/k biases, nanoGPT's and GPT-2's
+c_attn bias). Layouts: every discovered site names its Q and K channels (sites.py:
+q_index in q_module, k_index in k_module: nanoGPT and GPT-2 c_attn, HF q_proj/k_proj,
+GPT-NeoX/Bloom/Falcon per-head interleaved query_key_value, Phi-3 qkv_proj, Qwen3-Next's
+gated q_proj). Explicit sites are not supported (their K weight is unknown) and are
+refused when the Watcher is built.
+
+Which max logit: the watcher's reduced per-head `attention_max_logit` of the monitored
+step, the max over all ranks, so every rank computes the same η without a second
+reduction. It is exact (all rows) for layers that run flashwatch's op (a non-STANDARD
+head, or `route_all=True`), else the max over the probe's sampled rows, a lower bound:
+a clip then brings the sampled max to τ and the true max may stay above it. Clips happen
+on monitored steps only; every_n_steps=1 clips at every step as Kimi and Megatron do.
+
+Sharded weights (FSDP2 / DTensor) are scaled shard-locally: each rank multiplies the
+channels of its local shard by their factors, no communication.
+
+QK-norm (a norm on q and k after the projection: Qwen3, Qwen3-Next, Gemma3 `q_norm`,
+OLMo2, `q_layernorm`...) undoes any scaling of W^Q and W^K: the clip would shrink the
+weights step after step and never move a logit. Such layers are refused, once per head
+(an event applied=False, one log line per layer), and never scaled. The gain the norm
+carries is what bounds the logits there; clipping it per head is impossible where one
+gain vector [head_dim] is shared by every head (Qwen3, Gemma3: scaling it scales the
+whole layer), and only OLMo2-style [H·head_dim] gains would allow it; not done.
+
+Confirmation: a clip counts (`total`, `qk_clips_total`) only once the next measurement
+of its head shows it: `confirm(max_logit)`, called at each monitored step before
+`apply()`, confirms a pending clip when the head's new max logit m1 is at most τ or
+dropped from its pre-clip m0 by at least CONFIRM_FRACTION of the intended reduction
+m0 − τ, i.e. m1 ≤ m0 − ½(m0 − τ). Half: the next measurement is another batch after
+another optimizer step (and, for sampled rows, a lower bound), so the full reduction
+cannot be demanded; a clip that some part of the model undoes leaves m1 ≈ m0. A head
+whose clip is not confirmed is logged once and never clipped again (an event
+applied=False). An unmeasured head (NaN) keeps its clip pending.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch import nn
+
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import Mode
+from flashwatch.parallel.sharding import is_dtensor
+from flashwatch.report.records import Event
+from flashwatch.sites.layouts import K_NORM_NAMES, Q_NORM_NAMES, child
+from flashwatch.sites.site import AttentionSite
+
+log = logging.getLogger("flashwatch")
+
+CONFIRM_FRACTION = 0.5  # of the intended reduction m0 - τ (module docstring)
+STOP_PRODUCT = 0.5  # a head stops after unconfirmed clips that halved its logits in all
+
+
+# state_dict entries and their dtypes ("clips" only in states saved before confirmation)
+STATE = {"clips": torch.int64, "pending": torch.float64, "pending_step": torch.int64,
+         "pending_factor": torch.float64, "streak": torch.float64, "stopped": torch.bool}
+
+
+class QKClip:
+    """Applies (mitigation "auto") or advises ("advise") QK-clip after a monitored step,
+    confirms each applied clip on the next measurement, counts the confirmed clips per
+    head and logs them as Events of kind "qk_clip"."""
+
+    def __init__(self, config: WatchConfig, sites: list[AttentionSite]) -> None:
+        if config.qk_clip_threshold is not None:
+            for site in sites:
+                check_site(site)
+        self.config = config
+        self.sites = list(sites)
+        self.offsets = [sum(s.num_heads for s in self.sites[:i]) for i in range(len(sites))]
+        n = sum(s.num_heads for s in self.sites)
+        self.clips = torch.zeros(n, dtype=torch.int64)  # confirmed clips per head
+        self.pending = torch.full((n,), math.nan, dtype=torch.float64)  # m0 of a clip
+        self.pending_step = torch.full((n,), -1, dtype=torch.int64)
+        self.pending_factor = torch.ones(n, dtype=torch.float64)  # its logits' factor
+        # unconfirmed streak per head: (max logit where it began, product of factors)
+        self.streak = torch.tensor([[math.nan, 1.0]], dtype=torch.float64).repeat(n, 1)
+        self.stopped = torch.zeros(n, dtype=torch.bool)  # refused or unconfirmed: no clip
+        self.qk_norm = [qk_norm(s) for s in self.sites]
+        self._confirmed = False  # confirm() ran since the last apply()
+
+    @property
+    def total(self) -> int:
+        return int(self.clips.sum())
+
+    def confirm(self, max_logit: torch.Tensor, step: int = -1
+                ) -> tuple[list[Event], list[Event]]:
+        """(confirmed, not confirmed) events for the clips pending from the last apply(),
+        judged on this monitored step's max logit per head [n] (module docstring). Call
+        it before apply(); `step` is the step the events carry."""
+        self._confirmed = True
+        tau = self.config.qk_clip_threshold
+        heads = (~torch.isnan(self.pending)).nonzero().flatten().tolist()
+        if tau is None or not heads:
+            return [], []
+        m1 = max_logit.detach().to("cpu", torch.float64)
+        confirmed, failed = [], []
+        for i in heads:
+            now, m0 = float(m1[i]), float(self.pending[i])
+            if math.isnan(now):
+                continue  # not measured this step: still pending
+            site, h = self._where(i)
+            need = max(tau, m0 - CONFIRM_FRACTION * (m0 - tau))
+            seen = (f"max logit {_g(m0)} -> {_g(now)} after the clip of step "
+                    f"{int(self.pending_step[i])} (τ {_g(tau)}, needed ≤ {_g(need)})")
+            ok = now <= need
+            if ok:
+                self.clips[i] += 1
+                self.streak[i] = torch.tensor([math.nan, 1.0], dtype=torch.float64)
+                reason = f"[qk_clip confirmed] {seen}"
+            else:
+                reason = f"[qk_clip not confirmed] {seen}: not counted" + self._judge(
+                    i, site, h, m0, now)
+            (confirmed if ok else failed).append(Event(
+                step=step, layer=site.name, head=h, from_mode=Mode.STANDARD,
+                to_mode=Mode.STANDARD, reason=reason, applied=ok, kind="qk_clip"))
+            self.pending[i], self.pending_step[i] = math.nan, -1
+        return confirmed, failed
+
+    def _judge(self, i: int, site, h: int, m0: float, now: float) -> str:
+        """An unconfirmed clip joins the head's streak; the head stops once the streak
+        scaled its logits by P ≤ STOP_PRODUCT in all and its max logit kept more than
+        sqrt(P) of where the streak began (less than half the intended log-reduction)."""
+        start, product = self.streak[i].tolist()
+        start = m0 if math.isnan(start) else start
+        product *= float(self.pending_factor[i])
+        self.streak[i] = torch.tensor([start, product], dtype=torch.float64)
+        if not (product <= STOP_PRODUCT and now > math.sqrt(product) * start):
+            return ""
+        self.stopped[i] = True
+        log.warning("flashwatch: QK-clip of %s head %d has no visible effect: its clips "
+                    "scaled the logits by %s in all, yet the max logit went %s -> %s; "
+                    "QK-clip stops clipping this head", site.name, h, _g(product),
+                    _g(start), _g(now))
+        return (f"; its clips since the max logit was {_g(start)} scaled the logits by "
+                f"{_g(product)} in all without effect: QK-clip stops clipping this head")
+
+    def apply(self, step: int, max_logit: torch.Tensor, modes: torch.Tensor) -> list[Event]:
+        """max_logit [n]: the step's rank-reduced max logit per head (identical on every
+        rank, so is every factor). modes [n]: the heads' modes, for the events. Runs
+        confirm() first if the caller did not (its events lead the returned list)."""
+        events = []
+        if not self._confirmed:
+            done, failed = self.confirm(max_logit, step)
+            events += done + failed
+        self._confirmed = False
+        cfg = self.config
+        tau = cfg.qk_clip_threshold
+        if tau is None or cfg.mitigation == "off":
+            return events
+        eta = torch.where(self.stopped, 1.0, clip_factors(max_logit, tau))
+        for site, off, norm in zip(self.sites, self.offsets, self.qk_norm, strict=True):
+            e = eta[off:off + site.num_heads]
+            if bool((e == 1).all()):
+                continue
+            if norm is not None:
+                events += self._refuse(step, site, off, e, modes, norm)
+                continue
+            if cfg.mitigation == "auto":
+                scale_site(site, e, cfg.qk_clip_alpha)
+                over = (e < 1).nonzero().flatten() + off
+                self.pending[over] = max_logit.detach().to("cpu", torch.float64)[over]
+                self.pending_step[over] = step
+                self.pending_factor[over] = logit_factors(e, site.num_kv_heads,
+                                                          cfg.qk_clip_alpha)[over - off]
+            events += self._clip_events(step, site, off, e, max_logit, modes)
+        return events
+
+    def _clip_events(self, step, site, off, e, max_logit, modes) -> list[Event]:
+        tau, alpha = self.config.qk_clip_threshold, self.config.qk_clip_alpha
+        eta_k = kv_factors(e, site.num_kv_heads)
+        group = site.num_heads // site.num_kv_heads
+        events = []
+        for h in (e < 1).nonzero().flatten().tolist():
+            mode = Mode(int(modes[off + h]))
+            k_text = f"W^K × {_g(eta_k[h // group] ** (1 - alpha))}"
+            if group > 1:
+                k_text += f" (K head {h // group} shared: its group's smallest η " \
+                          f"{_g(eta_k[h // group])})"
+            events.append(Event(
+                step=step, layer=site.name, head=h, from_mode=mode, to_mode=mode,
+                reason=(f"[qk_clip] max logit {_g(max_logit[off + h])} > τ {_g(tau)}: "
+                        f"η = {_g(e[h])}, W^Q × η^{_g(alpha)} = {_g(e[h] ** alpha)}, "
+                        f"{k_text}"),
+                applied=self.config.mitigation == "auto", kind="qk_clip"))
+        return events
+
+    def _refuse(self, step, site, off, e, modes, norm) -> list[Event]:
+        """A QK-norm layer: never scaled; one event applied=False per head, then quiet."""
+        heads = (e < 1).nonzero().flatten().tolist()
+        why = (f"[qk_clip] refused: {site.name} normalises q and k after the projection "
+               f"({norm}), which undoes any scaling of W^Q and W^K; QK-clip cannot bound "
+               "this head's logits (the norm's gain does) and leaves the layer alone")
+        if not bool(self.stopped[off:off + site.num_heads].any()):
+            log.warning("flashwatch: %s", why)
+        events = []
+        for h in heads:
+            self.stopped[off + h] = True
+            mode = Mode(int(modes[off + h]))
+            events.append(Event(step=step, layer=site.name, head=h, from_mode=mode,
+                                to_mode=mode, reason=why, applied=False, kind="qk_clip"))
+        return events
+
+    def stop_layer(self, step: int, layer: str, reason: str) -> list[Event]:
+        """Never clip `layer` again (e.g. its W^Q slice failed layouts.QCheck, so its K
+        slice is not to be trusted either): one event applied=False per head."""
+        for site, off in zip(self.sites, self.offsets, strict=True):
+            if site.name == layer and not bool(self.stopped[off:off + site.num_heads].all()):
+                self.stopped[off:off + site.num_heads] = True
+                self.pending[off:off + site.num_heads] = math.nan
+                return [Event(step=step, layer=layer, head=h, from_mode=Mode.STANDARD,
+                              to_mode=Mode.STANDARD, reason=f"[qk_clip] stopped: {reason}",
+                              applied=False, kind="qk_clip") for h in range(site.num_heads)]
+        return []
+
+    def _where(self, i: int) -> tuple[AttentionSite, int]:
+        for site, off in zip(self.sites, self.offsets, strict=True):
+            if off <= i < off + site.num_heads:
+                return site, i - off
+        raise IndexError(i)
+
+    def state_dict(self) -> dict:
+        return {key: getattr(self, key).clone() for key in STATE}
+
+    def load_state_dict(self, sd: dict) -> None:
+        got = {}
+        for key, dtype in STATE.items():
+            value, shape = sd.get(key), tuple(getattr(self, key).shape)
+            if value is None and key != "clips":
+                continue  # a state saved before confirmation existed: nothing pending
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                raise ValueError(f"QK-clip state must hold {key!r}, a {dtype} tensor "
+                                 f"{list(shape)}, got {value!r:.80}")
+            got[key] = value.to("cpu", dtype).clone()
+        for key, value in got.items():
+            setattr(self, key, value)
+
+
+def _g(x) -> str:
+    return f"{float(x):.3g}"
+
+
+def qk_norm(site: AttentionSite) -> str | None:
+    """The names of the norms the site applies to q or k after the projection, or None."""
+    names = [n for n in Q_NORM_NAMES + K_NORM_NAMES if child(site.module, [n]) is not None]
+    return " and ".join(f"`{n}`" for n in names) or None
+
+
+def clip_factors(max_logit: torch.Tensor, tau: float) -> torch.Tensor:
+    """η per head: τ / max logit where the max logit exceeds τ, else 1 (NaN and ±inf
+    give 1: an unmeasured head is left alone, and an infinite logit would zero it)."""
+    m = max_logit.detach().to("cpu", torch.float64)
+    over = torch.isfinite(m) & (m > tau)
+    return torch.where(over, tau / torch.where(over, m, 1.0), 1.0)
+
+
+def logit_factors(eta: torch.Tensor, num_kv_heads: int, alpha: float) -> torch.Tensor:
+    """What a clip multiplies each query head's logits by: η_h^α · η_K^(1−α), η_K its
+    K head's factor (the smallest η of its group)."""
+    group = eta.numel() // num_kv_heads
+    return eta ** alpha * kv_factors(eta, num_kv_heads).repeat_interleave(group) ** (1 - alpha)
+
+
+def kv_factors(eta: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """The smallest η of each group of query heads sharing a K head ([Hkv]); query head
+    h uses K head h // (H / Hkv), as repeat_interleave does."""
+    return eta.view(num_kv_heads, -1).amin(1)
+
+
+def check_site(site: AttentionSite) -> None:
+    """Raise ValueError when QK-clip cannot scale this site's K weight."""
+    if site.k_module is None or site.k_index is None or site.q_index is None:
+        raise ValueError(
+            f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r}: QK-clip "
+            "needs the K weight, which flashwatch knows for discovered layers only, not "
+            "for explicit sites; leave qk_clip_threshold None or watch only discovered "
+            "layers"
+        )
+
+
+def scale_site(site: AttentionSite, eta: torch.Tensor, alpha: float) -> None:
+    """Scale the site's W^Q and W^K channels (and biases) in place for per-head η [H]."""
+    D = site.head_dim
+    q_rows = (eta ** alpha).repeat_interleave(D)  # [H * D], head-major channels
+    k_rows = (kv_factors(eta, site.num_kv_heads) ** (1 - alpha)).repeat_interleave(D)
+    _scale(site.q_module, site.q_index, q_rows)
+    _scale(site.k_module, site.k_index, k_rows)
+
+
+def _scale(proj: nn.Module, index: torch.Tensor, factors: torch.Tensor) -> None:
+    """Multiply output channels `index` of a Linear/Conv1D (weight and bias) by
+    `factors`, run by contiguous run of channels. Conv1D stores its weight [in, out]:
+    channels are columns."""
+    out_dim = 1 if type(proj).__name__ == "Conv1D" else 0
+    breaks = ((index[1:] - index[:-1]) != 1).nonzero().flatten() + 1
+    bounds = [0, *breaks.tolist(), len(index)]
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        start = int(index[lo])
+        _mul_channels(proj.weight, out_dim, start, factors[lo:hi])
+        if getattr(proj, "bias", None) is not None:
+            _mul_channels(proj.bias, 0, start, factors[lo:hi])
+
+
+@torch.no_grad()
+def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tensor) -> None:
+    """param[..., start + i, ...] *= factors[i] along `dim`, on the local shard of a
+    DTensor (its global offset along `dim` decides which factors it owns)."""
+    local, offset, size = param, 0, param.shape[dim]
+    if is_dtensor(param):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offsets = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements)
+        local, offset, size = param._local_tensor, offsets[dim], shape[dim]
+    lo, hi = max(start, offset), min(start + len(factors), offset + size)
+    if lo >= hi:
+        return  # this rank holds none of these channels
+    f = factors[lo - start:hi - start]
+    if bool((f == 1).all()):
+        return  # heads under τ stay bit-for-bit as they are
+    view = [1] * local.dim()
+    view[dim] = hi - lo
+    # In the weight's dtype, as the optimizer's own update is; one rounding per element.
+    local.narrow(dim, lo - offset, hi - lo).mul_(f.to(local.device, local.dtype).view(view))
+

@@ -1,0 +1,320 @@
+"""Attachment: how a Watcher reaches into a model without a change to the model's code.
+
+Three mechanisms, all undone by `Attachment.detach()`:
+  forward    each watched attention module's class is swapped for one subclass per
+             attention class (`watched_class`) whose forward reads the module's `Link`.
+             On steps where the layer is neither measured nor routed that forward only
+             calls the original: plain attribute reads that torch.compile guards on,
+             so compiled code traces it with no graph break (fullgraph=True holds).
+             On measured steps inside compiled code, a layer known to make plain SDPA
+             calls runs `flashwatch.monitor.traced.run` (traced into the graph: the probe is a
+             torch.library op). Otherwise the layer runs eagerly (`Attachment.run`,
+             torch._dynamo.disable: one graph break per watched layer on those steps).
+  interception  while a watched module runs eagerly, a ContextVar (calls to
+             flashwatch.attention) and a TorchFunctionMode (calls to
+             F.scaled_dot_product_attention) attribute its attention calls to its layer.
+  step hooks on monitored steps only: a forward pre-hook on the Q projection keeps its
+             input X, and a post-accumulate-grad hook on its weight keeps ‖dW^Q_h‖²
+             (delta_error_share). The watcher arms them when a monitored step begins and
+             disarms them after its report, so an unmonitored step runs no flashwatch
+             Python in the model at all (benchmarks/RESULTS.md, "Watcher overhead").
+  stance     measured steps run every compiled function eagerly (`force_eager`) unless
+             every watched layer can take the traced probe (Watcher._stance): see
+             `Attachment.force_eager`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from flashwatch.kernels import dispatch as _dispatch_mod
+from flashwatch.monitor import traced as _traced
+
+log = logging.getLogger("flashwatch")
+
+# Module attribute holding a watched attention module's Link.
+LINK = "_flashwatch_link"
+
+
+class Link:
+    """What a watched module's forward reads: its watcher, its layer's state and its
+    class before it was watched. Deep copies and DataParallel replicas of the module
+    share it (as they shared forward hooks): they are measured as the same layer."""
+
+    __slots__ = ("recorder", "st", "base")
+
+    def __init__(self, recorder, st, base: type):
+        self.recorder, self.st, self.base = recorder, st, base
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_WATCHED_CLASSES: dict[type, type] = {}
+
+
+def watched_class(base: type) -> type:
+    """One subclass per attention class (all layers of a model share it, so regional
+    compilation, e.g. each block compiled on its own, still reuses one graph for every
+    block) whose forward reads the module's Link. A subclass, not a forward in the
+    module's __dict__, so that deep copies and replicas call it with themselves as
+    `self`, never with the original module's weights."""
+    cls = _WATCHED_CLASSES.get(base)
+    if cls is None:
+        original = base.forward
+
+        @functools.wraps(original)
+        def forward(module, *args, **kwargs):
+            link = module.__dict__.get(LINK)
+            rec = None if link is None else link.recorder
+            # routed, or a measured step (read inline: this runs on every forward)
+            if rec is not None and not rec.cadence.removed and (
+                    link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
+                if link.st.compiled.traced and torch.compiler.is_compiling():
+                    return _traced.run(link.st, module, original, args, kwargs)
+                return rec.attachment.run(link.st, module, original, args, kwargs)
+            return original(module, *args, **kwargs)
+
+        cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
+            "forward": forward, "__module__": base.__module__,
+            "__qualname__": base.__qualname__})
+    return cls
+
+
+class _Interceptor(TorchFunctionMode):
+    """Routes F.scaled_dot_product_attention calls made inside a watched module."""
+
+    def __init__(self, attachment: Attachment):
+        super().__init__()
+        self.attachment = attachment
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Every op of the watched module's forward passes here: the cheap test first.
+        if func is F.scaled_dot_product_attention:
+            st = self.attachment.current
+            if st is not None:
+                return self.attachment.recorder.on_sdpa(st, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def recomputing() -> bool:
+    """True in a forward that runs while autograd executes a backward pass: activation
+    checkpointing's recompute (torch.utils.checkpoint, reentrant or not, checkpoint_wrapper,
+    Hugging Face gradient checkpointing), whose first forward was already counted. A
+    plain forward runs outside any graph task (id -1)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+# ids of the attachments whose watcher measures the current step, and the stance to go
+# back to. Ids, not a WeakSet: an attachment dropped while measuring (a watcher never
+# removed, collected with its model) must also give the stance back, which its
+# finalizer does by id; a WeakSet would forget it without a word and leave every later
+# torch.compile in the process running eagerly.
+_MEASURING: set[int] = set()
+_PRIOR_STANCE: list = [None]
+
+
+def _update_stance() -> None:
+    from torch._dynamo import eval_frame
+
+    if _MEASURING and _PRIOR_STANCE[0] is None:
+        _PRIOR_STANCE[0] = eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))
+    elif not _MEASURING and _PRIOR_STANCE[0] is not None:
+        eval_frame._set_stance(_PRIOR_STANCE[0])
+        _PRIOR_STANCE[0] = None
+
+
+def _measuring(key: int, on: bool) -> None:
+    if on:
+        _MEASURING.add(key)
+    else:
+        _MEASURING.discard(key)
+    _update_stance()
+
+
+def _forget(key: int) -> None:
+    """Finalizer of an Attachment: a collected watcher measures nothing."""
+    if key in _MEASURING:
+        try:
+            _measuring(key, False)
+        except Exception as e:  # a finalizer must not raise; say why the stance stays
+            log.warning("flashwatch: could not restore torch.compile's stance after a "
+                        "watcher was dropped while measuring: %s", e)
+
+
+class Attachment:
+    """A watcher's hold on its model's watched layers (`recorder.attachment`)."""
+
+    def __init__(self, recorder):
+        self.recorder = recorder  # flashwatch/monitor/capture.py: the calls and hooks go there
+        self._local = threading.local()  # per-thread stack of running watched modules
+        self._mode = _Interceptor(self)
+        self._unwraps: list = []
+        self._step_handles: list = []  # hooks of the monitored step, when armed
+        self.armed = False
+        weakref.finalize(self, _forget, id(self))
+
+    # ------------------------------------------------------------------------ forward
+
+    def wrap(self, st) -> None:
+        """Give the watched module the forward of `watched_class(type(module))` and a
+        Link to the watcher and layer. Dynamo guards on the module's type, so code
+        compiled before the watcher was attached recompiles on its next call (no
+        torch._dynamo.reset)."""
+        mod = st.site.module
+        st.shadowed = "forward" in mod.__dict__
+        if st.shadowed:  # an instance attribute would shadow ours
+            log.warning("flashwatch: %s has its own instance attribute `forward`, which "
+                        "flashwatch cannot wrap; the layer is neither measured nor "
+                        "mitigated (head modes set on it are reported unmitigable)",
+                        st.site.name)
+        old = mod.__dict__.get(LINK)
+        if old is not None and not old.recorder.cadence.removed:
+            log.warning("flashwatch: %s was watched by another Watcher that was not "
+                        "removed; this one takes the layer over", st.site.name)
+        base = type(mod) if old is None else old.base
+        link = Link(self.recorder, st, base)
+        mod.__dict__[LINK] = link
+        mod.__class__ = watched_class(base)
+
+        def unwrap():
+            if mod.__dict__.get(LINK) is link:  # else another watcher took it over
+                del mod.__dict__[LINK]
+                if type(mod) is watched_class(base):  # else re-wrapped (fully_shard):
+                    mod.__class__ = base  # kept, its forward passes straight through
+        self._unwraps.append(unwrap)
+
+    def frames(self) -> list:
+        """This thread's stack of [site, ContextVar token, mode pushed] for the watched
+        modules now running (threads, e.g. nn.DataParallel replicas, never share one)."""
+        frames = getattr(self._local, "frames", None)
+        if frames is None:
+            frames = self._local.frames = []
+        return frames
+
+    @property
+    def current(self):
+        frames = self.frames()
+        return frames[-1][0] if frames else None
+
+    @torch._dynamo.disable
+    def run(self, st, module, original, args, kwargs):
+        """The watched module's forward on measured or routed steps: mark it current for
+        its attention calls, run it, unmark it."""
+        rec = self.recorder
+        if not recomputing():
+            if st.routed:
+                st.module_calls += 1
+            if rec.cadence.measuring:
+                st.buf.forwards += 1
+        frame = [st, None, False]
+        frames = self.frames()
+        frames.append(frame)
+        try:
+            frame[1] = _dispatch_mod._INTERCEPT.set(rec.interceptor(st))
+            self._mode.__enter__()
+            frame[2] = True
+        except Exception as e:
+            rec.ledger.error(f"forward entry {st.site.name}", e)
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            if frames and frames[-1] is frame:  # else detach() already unwound it
+                frames.pop()
+                try:
+                    if frame[2]:
+                        self._mode.__exit__(None, None, None)
+                    if frame[1] is not None:
+                        _dispatch_mod._INTERCEPT.reset(frame[1])
+                    st.buf.x = None
+                except Exception as e:
+                    rec.ledger.error(f"forward exit {st.site.name}", e)
+
+    # --------------------------------------------------------------------- step hooks
+
+    def arm(self, states) -> None:
+        """Register the monitored step's hooks (X and ‖dW^Q‖²) on every layer that has a
+        Q projection. Idempotent."""
+        if self.armed:
+            return
+        self.armed = True
+        for st in states:
+            if st.site.q_module is not None:
+                self._step_handles.append(
+                    st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
+                self._hook_wq_grad(st)
+                qc = st.q_check  # a hook on the layer's q norm, if it has one
+                if qc is not None and not qc.done and not qc.failed:
+                    self._step_handles += qc.arm()
+
+    def disarm(self) -> None:
+        for h in self._step_handles:
+            h.remove()
+        self._step_handles.clear()
+        self.armed = False
+
+    def _x_hook(self, st):
+        rec = self.recorder
+
+        def hook(module, args):
+            if torch.compiler.is_compiling():
+                return  # traced into a graph, X comes from flashwatch/monitor/traced.py's mode; an
+                # assignment here would be replayed after the graph and outlive the step
+            if rec.cadence.measuring and not rec.cadence.removed and args:
+                st.buf.x = args[0]  # a reference only; rows are taken at the attention call
+                if getattr(module, "weight", None) is not st.wq_hooked:
+                    try:  # the weight was replaced (fully_shard): hook the new one
+                        self._hook_wq_grad(st)
+                    except Exception as e:
+                        rec.ledger.error(f"W^Q gradient {st.site.name}", e)
+        return hook
+
+    def _hook_wq_grad(self, st) -> None:
+        """Hook the Q projection's current weight for ‖dW^Q_h‖² (delta_error_share)."""
+        wq = getattr(st.site.q_module, "weight", None)
+        st.wq_hooked = wq
+        if isinstance(st.site.q_module, nn.Linear) and wq is not None and wq.requires_grad:
+            self._step_handles.append(
+                wq.register_post_accumulate_grad_hook(self.recorder.wq_grad_hook(st)))
+
+    def force_eager(self, on: bool) -> None:
+        """While a step is measured and some layer cannot take the traced probe
+        (Watcher._traceable: e.g. not yet seen calling SDPA), every torch.compile'd
+        function runs eagerly (Dynamo's "force_eager" stance), so compiled models are
+        measured without a graph break. A graph break there would sit inside the
+        model's loop over its layers, where Dynamo cannot resume: it then runs that
+        whole frame eagerly on every later step too (a compiled GPT lost 2.7 % per
+        unmonitored step after one monitored step: benchmarks/RESULTS.md). The stance
+        is process-wide: it holds while any such watcher measures, and the user's own
+        comes back when none does."""
+        try:
+            _measuring(id(self), on)
+        except Exception as e:  # e.g. step() called inside a compiled region
+            self.recorder.ledger.error("torch.compile stance", e)
+
+    # ------------------------------------------------------------------------ detach
+
+    def detach(self) -> None:
+        """Undo everything: hooks, forwards, and any frame left by a forward that is
+        still running (remove() called from inside the model)."""
+        self.disarm()
+        self.force_eager(False)
+        for unwrap in self._unwraps:
+            unwrap()
+        self._unwraps.clear()
+        for _, token, pushed in reversed(self.frames()):
+            if pushed:
+                self._mode.__exit__(None, None, None)
+            if token is not None:
+                _dispatch_mod._INTERCEPT.reset(token)
+        self.frames().clear()

@@ -1,0 +1,184 @@
+"""The runtime state of one watched layer, in three named pieces.
+
+    LayerState      what lives as long as the watcher: the site, its head modes and what
+                    is known about applying them, the sketch matrices, the power
+                    iteration's warm start
+      .buf          StepBuffers: what one monitored step accumulates (reset by step())
+      .compiled     CompileFacts: what eager monitored steps saw the layer do, which
+                    decides whether its compiled forward can run the traced probe
+
+Fields the forward wrapper reads first (LayerState.routed, CompileFacts.traced) are
+plain Python bools: torch.compile guards on them (one recompile when one flips) instead
+of tracing watcher code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from flashwatch.kernels.common import AttentionStats
+from flashwatch.sites.site import AttentionSite
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without a host sync: non_blocking (cudaMemcpyAsync
+    stages a pageable source at once and does not wait for the stream; a blocking copy
+    synchronises it)."""
+    return t.to(device, non_blocking=True)
+
+
+@dataclass
+class StepBuffers:
+    """One monitored step's accumulators of one layer. Device tensors stay where the
+    calls ran: the step moves them to the host once (flashwatch/monitor/aggregate.py)."""
+
+    stats: AttentionStats  # exact counters of routed calls
+    wq_grad_sq: torch.Tensor  # [H] float64 ‖dW^Q_h‖²_F of the step's gradient (NaN: none)
+    stats_exact: bool = False  # a routed call of this step filled `stats`
+    samples: list = field(default_factory=list)  # probe.Sample of each probed call
+    probe_rows: int = 0
+    grad_rows: int = 0  # sampled rows whose gradient arrived
+    # rows c covered, rows it missed (sampled calls), sampled rows with X (no X: no share)
+    delta_rows: int = 0
+    delta_missed: int = 0
+    share_rows: int = 0
+    wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
+    sampled: bool = False  # a probed call of this step measured only some of its rows
+    o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
+    o32_paper: bool = False  # ... made by backend="paper", whose δ is a BF16 rowsum
+    # probing.ProbedCall of calls made without grad, for a reentrant checkpoint's
+    # recompute to hook
+    no_grad_samples: list = field(default_factory=list)
+    # probing.ProbedCall (every_row None) of the step's traced calls by call id, until
+    # their gradient
+    traced_pending: dict = field(default_factory=dict)
+    x: torch.Tensor | None = None  # input of the Q projection during the current call
+    forwards: int = 0  # measured eager forwards of the module (flashwatch/monitor/attach.py)
+    calls: int = 0  # attention calls of ours seen in them (SDPA or flashwatch.attention)
+
+    @classmethod
+    def fresh(cls, num_heads: int, device) -> StepBuffers:
+        return cls(stats=AttentionStats.zeros(num_heads, device=device),
+                   wq_grad_sq=torch.full((num_heads,), math.nan, dtype=torch.float64,
+                                         device=device))
+
+
+@dataclass
+class CompileFacts:
+    """Compiled monitored steps (flashwatch/monitor/traced.py): the layer's key for the probe ops
+    and what eager monitored steps saw it do."""
+
+    key: int = -1  # in traced's registry
+    key_t: torch.Tensor | None = None  # the same as a 0-dim tensor: a graph input, not a
+    # constant each block's graph would specialise on
+    q_path: str | None = None  # the nn.Linear Q projection inside the module (traced.q_path)
+    sdpa_seen: bool = False  # made an F.scaled_dot_product_attention call while measured
+    checkpointed: bool = False  # its forward was recomputed (activation checkpointing)
+    dropout_seen: bool = False  # called SDPA with attention dropout while measured
+    fw_seen: bool = False  # made a flashwatch.attention call while measured
+    traced: bool = False  # its compiled forward runs the traced probe on measured steps
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceConstants:
+    """A layer's sketch matrices and head indices on one device (`LayerState.on_device`)."""
+
+    omega_x: torch.Tensor  # [d_model, k]
+    omega_a: torch.Tensor  # [d_head, k]
+    omega_q: torch.Tensor  # [d_head, k]
+    heads: torch.Tensor  # [H] int64
+
+
+@dataclass
+class LayerState:
+    """One watched layer: modes, sketch matrices, and its step buffers."""
+
+    site: AttentionSite
+    offset: int  # index of head 0 in the watcher's flat head arrays
+    modes: torch.Tensor  # int32 [H], applied modes, read at every call
+    omega_x: torch.Tensor  # [d_model, k]
+    omega_a: torch.Tensor  # [d_head, k]
+    omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
+    heads: torch.Tensor  # [H] int64: offset + arange(H), for probe.totals
+    power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
+    unmitigable: str | None = None  # why its modes could not be applied, last known
+    shadowed: bool = False  # an instance attribute `forward` hides the wrapper
+    routed: bool = False  # route_all or a non-STANDARD head: its calls go to our kernel
+    # Since the last report: forwards of the module while routed, calls of ours that
+    # ran its modes, and attention calls made with modes set that ran the original
+    # kernel. Modes count as applied only if the first two are > 0 and the last is 0.
+    module_calls: int = 0
+    routed_calls: int = 0
+    fallback_calls: int = 0
+    pending: list = field(default_factory=list)  # applied mode events not yet seen run
+    wq_hooked: object = None  # the Q weight whose gradient hook is registered
+    q_check: object = None  # layouts.QCheck of its W^Q slice, until it passed or failed
+    wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
+    stopped_clip: bool = False  # QK-clip was told to stop for it (wq_refused)
+    silent_reported: bool = False  # "no attention call seen" was reported
+    device_cache: dict = field(default_factory=dict)  # device -> DeviceConstants
+    buf: StepBuffers | None = None
+    compiled: CompileFacts = field(default_factory=CompileFacts)
+
+    def on_device(self, device) -> DeviceConstants:
+        """Ω_x, Ω_a, Ω_q and heads on `device`, moved once per run, not once per call."""
+        got = self.device_cache.get(device)
+        if got is None:
+            got = DeviceConstants(omega_x=to_device(self.omega_x, device),
+                                  omega_a=to_device(self.omega_a, device),
+                                  omega_q=to_device(self.omega_q, device),
+                                  heads=to_device(self.heads, device))
+            self.device_cache[device] = got
+        return got
+
+    def traceable(self) -> bool:
+        """Its compiled forward can run the traced probe (flashwatch/monitor/traced.py): seen
+        measured (eagerly) making SDPA calls only, no head modes, never recomputed by
+        activation checkpointing (Dynamo cannot enter the mode inside a checkpoint region:
+        the graph break would cost the layer loop's frame its graph for good), and X from
+        an nn.Linear Q projection inside the module, or none: what the traced probe
+        measures like the eager one."""
+        from flashwatch.monitor import traced
+
+        c = self.compiled
+        return (traced.SUPPORTED and c.sdpa_seen and not c.fw_seen and not c.checkpointed
+                and not c.dropout_seen and not self.routed and not self.shadowed
+                and (self.site.q_module is None or c.q_path is not None))
+
+    def not_applied(self) -> str | None:
+        """Why its non-STANDARD modes did not run since the last report, if they
+        did not; None if they ran or the layer had no call to judge by."""
+        if not bool(self.modes.any()):
+            return None
+        if self.shadowed:
+            return ("its instance attribute `forward` hides flashwatch's wrapper, so its "
+                    "attention calls never reach flashwatch")
+        if self.fallback_calls > 0:
+            return self.unmitigable
+        if self.module_calls > 0 and self.routed_calls == 0:
+            return (f"its module ran {self.module_calls} time(s) with head modes set but made "
+                    f"no attention call flashwatch could route (neither "
+                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
+        if self.module_calls == 0 and self.routed_calls == 0:
+            return self.unmitigable  # not called since: the last thing known
+        return None
+
+    def withdraw(self, reason: str, unreported: list) -> list:
+        """Mark its pending mode events applied=False (`not_applied` gave `reason`);
+        returns copies of those not in `unreported`, to go out with this report."""
+        out = []
+        for e in self.pending:
+            e.applied = False
+            e.reason = f"{e.reason}; not applied: {reason}"
+            if not any(e is u for u in unreported):
+                out.append(replace(e))
+        self.pending.clear()
+        return out
+
+    def reset(self) -> None:
+        """Fresh step buffers, on the device the last step's calls ran on."""
+        dev = self.buf.stats.rows.device if self.buf is not None else "cpu"
+        self.buf = StepBuffers.fresh(self.site.num_heads, dev)

@@ -1,0 +1,397 @@
+"""The monitored step: from the layers' buffers to a StepReport, the same on every rank.
+
+    run(step)
+      1. judge modes      which layers' modes ran since the last report (local facts)
+      2. buffers          the layers' StepBuffers and the probe totals (monitor/capture.py)
+      3. W^Q norms        plain ones locally; sharded ones by a fault-symmetric collective
+      4. one move         every device tensor to the host in one copy (aggregate.to_host)
+      5. exchange         one SUM and one MAX on the monitor's own group, issued whatever
+                          failed locally (flashwatch/parallel/reduce.py)
+      6. finish           named per-head arrays, identical on every rank (aggregate.finish)
+      7. decide           signals → policy → QK-clip plan
+      8. vote             one MAX all_reduce: a rank that failed, or holds other modes,
+                          makes every rank take the lowest healthy rank's state
+      9. QK-clip, report  weights change only where every rank agreed
+
+A failure at any stage is counted on the rank where it happened; the collectives of
+steps 3, 5 and 8 are issued on every rank in the same order and shapes regardless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import Mode
+from flashwatch.mitigation import qkclip
+from flashwatch.mitigation.policy import Decision, Policy
+from flashwatch.mitigation.qkclip import QKClip
+from flashwatch.monitor import aggregate, probe
+from flashwatch.monitor.capture import Recorder
+from flashwatch.monitor.layer_state import LayerState
+from flashwatch.monitor.ledger import ErrorLedger
+from flashwatch.parallel import reduce
+from flashwatch.parallel.sharding import RemoteFailure, spectral_norms
+from flashwatch.report import metrics
+from flashwatch.report.records import Event, HeadRecord, StepReport
+from flashwatch.signals.drift import HeadSignals, SignalValues
+
+# The signals a report carries: SignalValues' fields that are rows of the metrics table
+# (spectral_growth and window_fill feed the policy only).
+SIGNAL_COLUMNS = tuple(f.name for f in dataclasses.fields(SignalValues)
+                       if f.name in metrics.BY_NAME)
+
+# Stop the warm-started power iteration of a sharded W^Q (FSDP2; whole weights use the
+# Gram matrix, flashwatch/signals/spectral.py) once σ changes by less than this between
+# iterations: its growth rule acts on changes of 20 %, and 1e-6 took 16 iterations a
+# layer against ≈ 7 on the benchmark GPT for digits no rule reads (error against
+# matrix_norm stays < 1e-3: tests/parallel/test_distributed.py).
+SPECTRAL_TOL = 1e-5
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Decided:
+    """What a monitored step decided, after the vote (`StepPipeline._decide_together`)."""
+
+    decision: Decision | None  # None: nothing decided here, or the vote overrode it
+    values: SignalValues | None  # None: signals not updated this step
+    arrays: aggregate.HeadArrays | None  # the reduced per-head numbers, None: none
+    clips: list  # QK-clip events of this step
+
+
+class StepPipeline:
+    """A watcher's monitored-step machinery and its decision state (signals, policy,
+    QK-clip, events), which the Watcher saves and restores."""
+
+    def __init__(self, config: WatchConfig, states: list[LayerState], recorder: Recorder,
+                 ledger: ErrorLedger, monitor: reduce.MonitorGroup, set_modes) -> None:
+        self.config, self.states, self.recorder = config, states, recorder
+        self.ledger, self.monitor, self.set_modes = ledger, monitor, set_modes
+        self.heads = [(st.site.name, h) for st in states for h in range(st.site.num_heads)]
+        self.signals = HeadSignals(len(self.heads), config.sketch_dim, config.window)
+        self.policy = Policy(config, self.heads)
+        self.qk_clip = QKClip(config, [st.site for st in states])
+        self.events: list = []  # every mode change and QK-clip since the start
+        self.unreported: list = []  # hand-set mode changes not yet in a StepReport
+        self.confirmed: list = []  # mode events seen run since the last report
+        self.source = 0  # the rank whose decisions a disagreeing vote adopts
+        self.realign_to: int | None = None  # step count the ranks agreed on, if moved
+
+    def user_change(self, st: LayerState, new: torch.Tensor, step: int) -> None:
+        """Modes set by hand (Watcher.set_head_modes): an event per changed head, out
+        with the next report and applied once a report sees it run; those heads' signals
+        and policy judge the new mode on what comes after it only."""
+        changed = torch.zeros(len(self.heads), dtype=torch.bool)
+        for h in range(st.site.num_heads):
+            if int(new[h]) != int(st.modes[h]):
+                changed[st.offset + h] = True
+                event = Event(step=step, layer=st.site.name, head=h,
+                              from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
+                              reason="set by user", applied=True)
+                self.events.append(event)
+                self.unreported.append(event)  # goes out with the next report
+                if event.to_mode != Mode.STANDARD:
+                    st.pending.append(event)  # applied once a report sees it run
+        self.set_modes(st, new)
+        if changed.any():
+            self.signals.reset_window(changed)
+            self.policy.restart(changed)
+
+    def run(self, step: int) -> StepReport:
+        """A monitored step's report. Every rank issues the same collectives in the same
+        order whatever fails locally (flashwatch/parallel/reduce.py): buffers → W^Q norms (sharded
+        ones: collectives) → one move to the host → exchange → decide → vote."""
+        not_applied, withdrawn = self._judge_modes()
+        local = None
+        try:
+            layers, totals = self._step_buffers()
+        except Exception as e:
+            self.ledger.error("step totals", e)
+            layers = totals = None
+        sigma = self._spectral()  # every rank: sharded W^Q norms are collectives
+        if layers is not None:
+            try:
+                local = aggregate.contribution(
+                    aggregate.to_host(aggregate.gather(layers, totals, sigma)))
+            except Exception as e:
+                self.ledger.error("step totals", e)
+        self.recorder.clear_step()
+        red = self._exchange(local, step)
+        decided = self._decide_together(step, red)
+        if decided.arrays is None:
+            raise RuntimeError(f"no numbers to report at step {step}: "
+                               f"{self.monitor.broken or 'see the errors logged above'}")
+        return self._report(step, decided, not_applied, withdrawn)
+
+    def _judge_modes(self) -> tuple[dict, list]:
+        """Which layers' non-STANDARD modes did not run since the last report, and the
+        events withdrawn for it (local facts: each rank reports its own)."""
+        not_applied, withdrawn = {}, []
+        for st in self.states:
+            reason = st.not_applied()
+            if reason is not None:  # say so, never claim the modes applied
+                not_applied[st.site.name] = reason
+                if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
+                    self.ledger.error(f"mitigation {st.site.name}", RuntimeError(reason))
+                    withdrawn += st.withdraw(reason, self.unreported)
+                    st.silent_reported |= not st.buf.calls  # said, with its modes
+            elif st.routed_calls > 0:
+                self.confirmed += [e for e in st.pending if e.applied]
+                st.pending.clear()  # seen run: the events stand
+                st.unmitigable = None
+            if st.buf.forwards and not st.buf.calls and not st.silent_reported:
+                st.silent_reported = True  # logged and counted once
+                self.ledger.error(f"attention of {st.site.name}", RuntimeError(
+                    f"{st.site.name} ran {st.buf.forwards} forward(s) in a monitored step "
+                    f"without an attention call flashwatch sees (F.scaled_dot_product_"
+                    f"attention or flashwatch.attention): its ties, max logit and δ error "
+                    f"are NaN and QK-clip cannot act there; make it call SDPA (Hugging "
+                    f"Face: attn_implementation='sdpa') or leave it out of `sites`"))
+            st.module_calls = st.routed_calls = st.fallback_calls = 0
+        return not_applied, withdrawn
+
+    def _step_buffers(self) -> tuple[list, dict]:
+        """The layers' buffers and the probe totals of every call not reduced yet, where
+        they were accumulated (flashwatch/monitor/probe.py, flashwatch/monitor/aggregate.py)."""
+        rest = [smp for st in self.states for smp in st.buf.samples]
+        device = (self.recorder.totals["G"].device if self.recorder.totals is not None
+                  else rest[0].d.device if rest else "cpu")
+        tot = probe.totals(rest, len(self.heads), self.config.sketch_dim, self.recorder.totals,
+                           device=device)
+        layers = [aggregate.LayerBuffers(
+            num_heads=st.site.num_heads, exact=bool(st.buf.stats_exact),
+            tied_rows=st.buf.stats.tied_rows, rows=st.buf.stats.rows,
+            guarded_rows=st.buf.stats.guarded_rows, max_logit=st.buf.stats.max_logit,
+            wq_grad_sq=st.buf.wq_grad_sq, probe_rows=st.buf.probe_rows, grad_rows=st.buf.grad_rows,
+            delta_rows=st.buf.delta_rows, delta_missed=st.buf.delta_missed,
+            share_rows=st.buf.share_rows, sampled=st.buf.sampled,
+            averaged=st.buf.wq_grad_averaged, refused=st.wq_refused is not None)
+            for st in self.states]
+        return layers, tot
+
+    def _spectral(self) -> list:
+        """Each layer's W^Q spectral norms [H] where they are computed (NaN: failed).
+        Plain W^Q from their Gram matrices, same-shape ones batched over layers; sharded
+        (DTensor) ones by the fault-symmetric sharded power iteration, on every rank."""
+        cfg = self.config
+        try:
+            with torch.no_grad():
+                norms = spectral_norms([st.site for st in self.states],
+                                       [st.power_v for st in self.states], cfg.power_iters,
+                                       monitor=self.monitor, max_iters=cfg.power_max_iters,
+                                       tol=SPECTRAL_TOL)
+        except Exception as e:
+            self.ledger.error("spectral norms", e)
+            norms = [e] * len(self.states)
+        out = []
+        for st, got in zip(self.states, norms, strict=True):
+            if isinstance(got, Exception):
+                if not isinstance(got, RemoteFailure):  # counted where it happened
+                    self.ledger.error(f"spectral norm {st.site.name}", got)
+                out.append(torch.full((st.site.num_heads,), math.nan, dtype=torch.float64))
+                continue
+            s, st.power_v = got
+            out.append(s)
+        return out
+
+    def _exchange(self, local: dict | None, step: int):
+        """reduce.exchange on the monitor's group, or None once the group is broken.
+        Ranks at different step counts are told so (every rank: it is in the reduced
+        numbers) and realigned to the highest."""
+        shapes = aggregate.shapes(len(self.heads), self.config.sketch_dim)
+        monitor = self.monitor if self.monitor.distributed else None
+        if monitor is not None and monitor.broken is not None:
+            return None
+        try:
+            red = reduce.exchange(monitor, local, local, shapes, step=step)
+        except Exception as e:
+            self.ledger.error("cross-rank reduction", e)
+            return None
+        if red.local_error is not None:
+            self.ledger.error("cross-rank reduction", red.local_error)
+        if not red.in_step:
+            self.ledger.error("step alignment", RuntimeError(
+                f"ranks reached different monitored steps (lowest step count "
+                f"{red.steps[0]}, highest {red.steps[1]}; this rank {step}): every rank must "
+                f"call watcher.step() once per optimizer step and load the same watcher "
+                f"state; decisions are skipped and step counts realigned to "
+                f"{red.steps[1]}"))
+            self.realign_to = red.steps[1] + 1  # the Watcher moves its count there
+        elif red.failed_ranks and local is not None:
+            self.ledger.warn_once("remote", f"flashwatch: {red.failed_ranks} rank(s) failed "
+                              f"to measure step {step}; its numbers miss their rows and "
+                              f"no mode changes are decided from it")
+        return red
+
+    def _decide_together(self, step: int, red) -> Decided:
+        """finish → signals → policy → QK-clip plan, then a vote that every rank issues:
+        if any rank failed (or holds other modes), every rank takes the state of the
+        lowest rank that did not fail, so modes stay identical everywhere."""
+        decision = values = arrays = None
+        failed, clip_plan = False, None
+        try:
+            if red is not None:
+                arrays = aggregate.finish(red.sums, red.maxes, self.monitor.world)
+                if red.in_step and not red.failed_ranks:
+                    values, decision = self._decide(step, arrays)
+                    clip_plan = self._qk_clip_plan(arrays)
+        except Exception as e:
+            self.ledger.error("decide", e)
+            failed, decision = True, None
+        modes = (decision.modes if decision is not None else
+                 torch.cat([st.modes for st in self.states]).long())
+        agreed = red is None or self._vote_agrees(failed, modes)
+        if not agreed and self.monitor.rank != self.source:
+            decision = None  # this rank takes the source rank's decision instead
+        if decision is not None:
+            self._apply_decision(decision)
+        if not agreed:
+            clip_plan = None  # weights change only where every rank agreed
+            self._heal()
+        clips = self._safe_qk_clip(step, arrays, clip_plan)
+        return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
+
+    def _decide(self, step: int, a: aggregate.HeadArrays):
+        t = torch.from_numpy
+        values = self.signals.update(t(a.G), t(a.sigma), t(a.delta_sum_w), t(a.delta_sq_w),
+                                      t(a.share), share_weight=t(a.wq_grad_sq))
+        modes = torch.cat([st.modes for st in self.states]).long()
+        decision = self.policy.decide(step, t(a.tie_ratio), values, modes,
+                                       max_logit=t(a.max_logit), share=t(a.share))
+        return values, decision
+
+    def _vote_agrees(self, failed: bool, modes: torch.Tensor) -> bool:
+        """One MAX all_reduce of [failed, mode hash, -mode hash, -(first healthy rank)]:
+        True when no rank failed and all hold the same modes."""
+        mon = self.monitor
+        if not mon.distributed:
+            return not failed
+        h = float((modes.double() * torch.arange(1, modes.numel() + 1,
+                                                  dtype=torch.float64)).sum())
+        me = float(mon.world if failed else mon.rank)
+        vote = torch.tensor([float(failed), h, -h, -me], dtype=torch.float64)
+        try:
+            mon.all_reduce_(vote, "max")
+        except Exception as e:
+            self.ledger.error("vote", e)
+            return False
+        any_failed, max_hash, neg_min_hash, neg_source = vote.tolist()
+        self.source = int(-neg_source)  # the lowest rank that did not fail
+        agree = any_failed == 0 and max_hash == -neg_min_hash
+        if not agree:
+            self.ledger.warn_once("vote", "flashwatch: ranks disagreed at a monitored step (a "
+                              "rank failed, or holds other head modes); every rank takes "
+                              "the decisions of the lowest rank that did not fail")
+        return bool(agree)
+
+    def _heal(self) -> None:
+        """Every rank takes the signals, policy and modes of `self.source` (one
+        broadcast on the monitor's group; no healthy rank: each keeps its own)."""
+        mon = self.monitor
+        if not mon.distributed or self.source >= mon.world:
+            return
+        import torch.distributed as dist
+
+        box = [None]
+        if mon.rank == self.source:
+            box = [dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
+                        modes=[st.modes.clone() for st in self.states])]
+        try:
+            dist.broadcast_object_list(box, src=self.source, group=mon.group)
+            if mon.rank != self.source:
+                self.signals.load_state_dict(box[0]["signals"])
+                self.policy.load_state_dict(box[0]["policy"])
+                for st, m in zip(self.states, box[0]["modes"], strict=True):
+                    self.set_modes(st, m.clone().to(torch.int32))
+        except Exception as e:
+            self.ledger.error("state broadcast", e)
+
+    def _apply_decision(self, decision) -> None:
+        new_modes = decision.modes.to(torch.int32)
+        for st in self.states:
+            self.set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
+        by_name = {st.site.name: st for st in self.states}
+        for e in decision.events:
+            if e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD:
+                by_name[e.layer].pending.append(e)
+        if decision.reset_window.any():
+            self.signals.reset_window(decision.reset_window)
+        self.events.extend(decision.events)
+
+    def _report(self, step, decided: Decided, not_applied, withdrawn) -> StepReport:
+        a, values, decision = decided.arrays, decided.values, decided.decision
+        n = len(self.heads)
+        nan = np.full(n, np.nan)
+        modes = torch.cat([st.modes for st in self.states]).long()
+        cols = dict(
+            tied_rowmax_ratio=a.tie_ratio, attention_max_logit=a.max_logit,
+            delta_error_sum=a.delta_sum, delta_error_rows=a.delta_rows,
+            delta_error_all_rows=(a.delta_rows > 0) & (a.delta_missed == 0),
+            delta_error_share=a.share, guarded_rows=a.guarded.astype(np.int64),
+            wq_spectral_norm=a.sigma)
+        # values None: nothing was decided this step (signals not updated): NaN
+        for f in SIGNAL_COLUMNS:
+            cols[f] = nan if values is None else getattr(values, f)
+        # One tolist() per field, not a tensor index per head and field (5,120 heads:
+        # benchmarks/bench_scale.py).
+        columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v))
+                   for k, v in cols.items()}
+        ran = modes.clone()  # what the kernel runs: not a layer's modes it cannot apply
+        for st in self.states:
+            if st.site.name in not_applied:
+                ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
+        recommended = (decision.recommended if decision is not None else modes).tolist()
+        flagged = (decision.flagged if decision is not None
+                   else torch.zeros(n, dtype=torch.bool)).tolist()
+        names = list(columns)
+        records = [HeadRecord(layer=layer, head=head, **dict(zip(names, vals, strict=True)),
+                              head_mode=Mode(m), recommended_mode=Mode(r), flagged=bool(f))
+                   for (layer, head), m, r, f, *vals in zip(
+                       self.heads, ran.tolist(), recommended, flagged, *columns.values(),
+                       strict=True)]
+        events = self.unreported + withdrawn + \
+            (list(decision.events) if decision is not None else []) + decided.clips
+        self.unreported = []
+        report = StepReport(step=step, heads=records, events=events,
+                            unmitigable=not_applied, qk_clips_total=self.qk_clip.total)
+        report.confirmed = self.confirmed  # events seen run: counters count these
+        self.confirmed = []
+        return report
+
+    def _qk_clip_plan(self, a) -> torch.Tensor | None:
+        """The reduced max logits QK-clip will act on, checked before the vote (its
+        factors are a pure function of them, the same on every rank); None: no clip."""
+        cfg = self.config
+        if cfg.qk_clip_threshold is None or cfg.mitigation == "off":
+            return None
+        max_logit = torch.from_numpy(a.max_logit)
+        qkclip.clip_factors(max_logit, cfg.qk_clip_threshold)
+        return max_logit
+
+    def _safe_qk_clip(self, step, a, max_logit) -> list:
+        """QK-clip after the vote: every rank that agreed scales the same heads by the
+        same factors (flashwatch/mitigation/qkclip.py)."""
+        if max_logit is None:
+            return []
+        modes = torch.cat([st.modes for st in self.states]).long()
+        stops = []
+        for st in self.states:  # a W^Q slice refused on any rank: stop clipping there
+            h = slice(st.offset, st.offset + st.site.num_heads)
+            if not st.stopped_clip and bool(a.refused[h].all()):
+                st.stopped_clip = True
+                stops += self.qk_clip.stop_layer(step, st.site.name, st.wq_refused or
+                                                 "its W^Q slice failed the check on a rank")
+        try:  # clips of the last step count once this measurement shows them
+            confirmed, failed = self.qk_clip.confirm(max_logit, step)
+            clips = self.qk_clip.apply(step, max_logit, modes)
+        except Exception as e:
+            self.ledger.error("qk_clip", e)
+            return stops
+        self.confirmed += confirmed
+        clips = stops + confirmed + failed + clips
+        self.events.extend(clips)
+        return clips

@@ -1,0 +1,285 @@
+"""The probe's bookkeeping for a watched layer's calls: sample rows and recompute them
+in FP32 on the forward (flashwatch/monitor/probe.py), c[T] when the gradient arrives, and each
+micro-batch's samples reduced into the step's totals on the device. ProbeRecorder is the
+half of capture.Recorder that measures; the other half routes calls to the kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+
+import torch
+
+from flashwatch.config import WatchConfig
+from flashwatch.kernels.common import Mode, no_autocast
+from flashwatch.monitor import probe
+from flashwatch.monitor.attach import recomputing
+from flashwatch.monitor.layer_state import LayerState, to_device
+from flashwatch.monitor.ledger import ErrorLedger
+from flashwatch.signals import smallops
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EveryRow:
+    """What gives c on every row of a call flashwatch's kernel ran, from its dO."""
+
+    out: torch.Tensor  # [B, H, Nq, Dv] the call's output: the O its backward's δ reads
+    o32: torch.Tensor  # [B, H, Nq, Dv] the kernel's FP32 O (accumulator / l)
+    fp32_heads: torch.Tensor | None  # [H] bool, the call's device: FP32_O heads (δ exact)
+    bf16_delta: bool  # backend="paper": δ is a BF16 product and rowsum
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ProbedCall:
+    """One probed call, kept for its gradient (`ProbeRecorder._grad_hook`)."""
+
+    sample: probe.Sample
+    every_row: EveryRow | None  # None: c on the sampled rows only, against the probe's O
+    rows: int  # B·Nq, rows of the call
+
+
+class ProbeRecorder:
+    """Per-call measurement state shared by a watcher's layers: the row-sampling
+    generator and the step's reduced totals."""
+
+    def __init__(self, config: WatchConfig, states: list[LayerState], cadence,
+                 ledger: ErrorLedger) -> None:
+        self.config, self.states, self.cadence, self.ledger = config, states, cadence, ledger
+        self.n_heads = sum(st.site.num_heads for st in states)
+        self.gen = torch.Generator().manual_seed(config.seed)
+        # probe.totals of the step's samples reduced so far (`_sample_done`), and how many
+        # samples got their c since
+        self.totals: dict | None = None
+        self.samples_done = 0
+        self.traced_ids = itertools.count()  # ids of the probed calls in compiled code
+
+    def warn_once(self, st: LayerState, key: str, message: str) -> None:
+        self.ledger.warn_once((st.site.name, key), message)
+
+    def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True,
+                    softcap=None, sliding_window=None):
+        """The probe on an eager call; grad=False: its ties and max logit only."""
+        t0 = time.perf_counter()
+        try:
+            if recomputing():
+                st.compiled.checkpointed = True  # keeps the eager path (traced.py cannot trace it)
+                if grad:
+                    self._hook_recompute(st, out)
+            else:
+                probed = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
+                                     softcap, sliding_window)
+                if probed is not None and grad:
+                    if out.requires_grad:  # the hook goes on the tensor autograd sees
+                        out.register_hook(self._grad_hook(st, probed))
+                    else:  # a reentrant checkpoint's first forward: its recompute hooks it
+                        st.buf.no_grad_samples.append(probed)
+        except Exception as e:
+            self.ledger.error(f"probe {st.site.name}", e)
+        self.ledger.seconds += time.perf_counter() - t0
+
+    def traced_probe(self, st, q, k, v, out, x, mask, causal, scale):
+        """torch.ops.flashwatch.probe (a compiled monitored step, flashwatch/monitor/traced.py):
+        the eager probe on the call, X handed in by the layer's Interceptor; the
+        gradient arrives through torch.ops.flashwatch.probe_grad (`traced_grad`)."""
+        if not self.cadence.measuring or self.cadence.removed or recomputing():
+            return -1  # a checkpoint's recompute inside the compiled backward: counted
+        t0 = time.perf_counter()
+        call = -1
+        try:
+            if x is None and st.compiled.q_path is not None:
+                self.warn_once(st, "traced x", f"flashwatch: {st.site.name}: inside compiled "
+                                f"code no F.linear call on the Q projection's weight came "
+                                f"before SDPA; using q-space sketch terms and no "
+                                f"delta_error_share there")
+            probed = self._probe(st, q, k, v, out, causal, scale, mask, False, x)
+            if probed is not None:
+                call = next(self.traced_ids)
+                st.buf.traced_pending[call] = probed
+        except Exception as e:
+            self.ledger.error(f"probe {st.site.name}", e)
+        self.ledger.seconds += time.perf_counter() - t0
+        return call
+
+    def traced_grad(self, st, call: int, grad) -> None:
+        """torch.ops.flashwatch.probe_grad: the gradient of probed call `call` (each
+        further backward through it, retain_graph, counts as in eager)."""
+        if self.cadence.removed:
+            return
+        probed = st.buf.traced_pending.get(call)
+        if probed is not None:
+            self._grad_hook(st, probed)(grad)
+        else:  # its sample was reduced (a further backward, retain_graph) or never made
+            self.warn_once(st, "traced grad", f"flashwatch: {st.site.name}: a gradient "
+                            f"inside compiled code found no probed call to pair with (a "
+                            f"further backward through a reduced call, or a backward "
+                            f"after step()); its δ error is not measured")
+
+    def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None,
+               sliding_window=None):
+        """Sample rows of the call, recompute them in FP32, keep their Sample; returns
+        the ProbedCall for the gradient step, None if not probed."""
+        cfg = self.config
+        o32_all, st.buf.o32 = (st.buf.o32 if routed else None), None
+        if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
+            self.warn_once(st, "shape", f"flashwatch: {st.site.name}: attention on shape "
+                            f"{tuple(q.shape)} is not [B, H, N, D]; not probed")
+            return None
+        B, H, Nq, D = q.shape
+        scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+        with torch.no_grad(), no_autocast(q.device):
+            q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
+            n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
+            elems, tq = probe.sample_rows(self.gen, B, Nq, n_rows)
+            elems = None if elems is None else to_device(elems, q.device)
+            tq = to_device(tq, q.device)
+            consts = st.on_device(q.device)  # Ω_x, Ω_a, Ω_q, heads
+            b, t = probe.flat(elems, tq)
+            st.buf.sampled = st.buf.sampled or len(b) < B * Nq  # G from some rows only
+            rec = probe.recompute(q, k, v, elems, tq, causal=causal, scale=scale,
+                                  attn_mask=mask, eps=cfg.eps, softcap=softcap,
+                                  sliding_window=sliding_window)
+            o_used = out[b, :, t].float()
+            fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
+            fp32_dev = None
+            if routed and bool(fp32_heads.any()):
+                # δ of these heads came from the kernel's FP32 O; its residual error is at
+                # FP32 rounding, far below what the probe resolves: count it as 0. A where,
+                # not boolean indexing (nonzero: a host sync on CUDA).
+                fp32_dev = to_device(fp32_heads, q.device)
+                o_used = torch.where(fp32_dev[None, :, None], rec.o32, o_used)
+            every_row = None
+            if o32_all is not None:
+                # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
+                # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
+                # are saved for the backward anyway: holding them costs no memory.
+                every_row = EveryRow(out=out, o32=o32_all.permute(1, 0, 2, 3),
+                                     fp32_heads=fp32_dev, bf16_delta=st.buf.o32_paper)
+            z, share_w = self._sketch_terms(st, q, x, b, t, rec.pk, scale, consts.omega_x,
+                                            consts.omega_q)
+            y = smallops.matmul(rec.pk, consts.omega_a)  # [R, H, k]
+        sample = probe.Sample(heads=consts.heads, b=b, t=t, tied=rec.tied, row_max=rec.row_max,
+                              z=z, y=y, share_w=share_w, d=probe.o_error(o_used, rec.o32),
+                              shape=(B, Nq))
+        st.buf.samples.append(sample)
+        st.buf.probe_rows += len(b)  # with its ties, never apart from them
+        return ProbedCall(sample=sample, every_row=every_row, rows=B * Nq)
+
+    def _sketch_terms(self, st, q, x, b, t, pk, scale, omega_x, omega_q):
+        """z[T] (Ω_xᵀ X[T] [R, k], or Ω_qᵀ q[T] [R, H, k] without a usable X) and the
+        error share's weights ([R, H] float64, None without X)."""
+        B, _, Nq, _ = q.shape
+        # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
+        # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
+        if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
+                x.shape[2] == st.site.d_model:
+            xr = x.detach()[b, t].float()
+            f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
+            share_w = (scale ** 2 * B * Nq / len(b)) * (
+                xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
+            return smallops.matmul(xr, omega_x), share_w
+        if x is not None:
+            self.warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
+                            f"input has shape {tuple(x.shape)}, not [B, Nq, d_model] = "
+                            f"{[B, Nq, st.site.d_model]} as q's batch and query length "
+                            f"give it; using q-space sketch terms (no δ error share)")
+        return smallops.matmul(q[b, :, t].float(), omega_q), None
+
+    def _hook_recompute(self, st, out):
+        """Activation checkpointing's recompute of a call already counted: count nothing
+        again. Non-reentrant: the first forward's output got the gradient hook, done.
+        Reentrant: the first forward ran without grad and left its sample; the gradient
+        flows through this recomputed output, so hook that sample here. Recomputes run
+        in reverse call order, hence the last sample first."""
+        if not (out.requires_grad and st.buf.no_grad_samples):
+            return
+        call = st.buf.no_grad_samples.pop()
+        sample = call.sample
+        d = sample.d
+        # the call's shape, known on the host (b.max() would be a host sync)
+        if out.dim() != 4 or not (sample.shape[0] <= out.shape[0]
+                                  and sample.shape[1] <= out.shape[2]
+                                  and d.shape[1:] == (out.shape[1], out.shape[3])):
+            self.warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
+                            f"call's output {tuple(out.shape)} does not fit the sample of "
+                            f"its first forward; its δ error is not measured")
+            return
+        out.register_hook(self._grad_hook(st, call))
+
+    def _grad_hook(self, st, call: ProbedCall):
+        """c[T] of the sampled rows while dO is at hand: against the kernel's own O_fp32
+        where flashwatch's kernel ran (`every_row`, which also gives c on every row),
+        else against the probe's FP32 recomputation. The sketch and the sums follow in
+        probe.totals, for a micro-batch's calls at once (`_sample_done`)."""
+        def hook(grad):
+            if self.cadence.removed:
+                return None
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad(), no_autocast(grad.device):
+                    s, every = call.sample, call.every_row
+                    b, t = s.b, s.t
+                    if every is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
+                        if every.bf16_delta:  # the paper backward's δ: product and sum in BF16
+                            c_all = (grad * every.out).sum(-1).double() - (
+                                grad.float() * every.o32).sum(-1, dtype=torch.float64)
+                        else:
+                            c_all = (grad.float() * (every.out.float() - every.o32)).sum(
+                                -1, dtype=torch.float64)
+                        if every.fp32_heads is not None:  # δ used the FP32 O: no error
+                            c_all = c_all.masked_fill(every.fp32_heads[None, :, None], 0.0)
+                        # The sampled rows' c is the kernel's own: exactly what FP32_O
+                        # removes. Elsewhere it is against the probe's FP32 recomputation,
+                        # which also counts the rounding of P̄ in O (reads high: docs/limits.md).
+                        c = c_all[b, :, t]  # [R, H]
+                        sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
+                        st.buf.delta_rows += c_all.shape[0] * c_all.shape[2]
+                    else:
+                        c = probe.c_of(grad[b, :, t], s.d)
+                        sums = None
+                        st.buf.delta_rows += len(b)
+                        st.buf.delta_missed += call.rows - len(b)
+                    if s.c is None:
+                        s.c, s.c_all = c, sums
+                    else:  # a further backward through the call (retain_graph): its
+                        # gradient adds to W^Q's, so its c counts too, as a record of its
+                        # own; its rows' ties were counted with the forward's
+                        st.buf.samples.append(dataclasses.replace(
+                            s, c=c, c_all=sums, tied=torch.zeros_like(s.tied),
+                            row_max=torch.full_like(s.row_max, -math.inf)))
+                    st.buf.grad_rows += len(b)
+                    if s.share_w is not None:
+                        st.buf.share_rows += len(b)
+                    self._sample_done()
+            except Exception as e:
+                self.ledger.error(f"gradient probe {st.site.name}", e)
+            self.ledger.seconds += time.perf_counter() - t0
+            return None
+        return hook
+
+    def clear_step(self) -> None:
+        """Empty every accumulator of the step being measured (after its report, after a
+        failed one, on load)."""
+        for st in self.states:
+            st.reset()
+        self.totals, self.samples_done = None, 0
+
+    def _sample_done(self) -> None:
+        """Once as many calls as there are layers have their c (a micro-batch, usually),
+        reduce them into the step's totals: memory stays one micro-batch of samples
+        however many micro-batches an optimizer step accumulates."""
+        self.samples_done += 1
+        if self.samples_done < len(self.states):
+            return
+        self.samples_done = 0
+        done = [s for st in self.states for s in st.buf.samples if s.c is not None]
+        # Into a copy: if the reduction fails, the samples stay for step() to reduce.
+        acc = None if self.totals is None else {k: v.clone() for k, v in self.totals.items()}
+        self.totals = probe.totals(done, self.n_heads, self.config.sketch_dim, acc,
+                                    device=done[0].d.device if done else "cpu")
+        for st in self.states:
+            st.buf.samples = [s for s in st.buf.samples if s.c is None]
+            # reduced: only a further backward (retain_graph) would look for it again
+            st.buf.traced_pending = {i: call for i, call in st.buf.traced_pending.items()
+                                     if call.sample.c is None}

@@ -1,0 +1,285 @@
+"""torch.distributed helpers: the world size, and W^Q spectral norms of sharded weights
+(FSDP2 `fully_shard`, tensor parallel DTensors).
+
+`wq_spectral_norm` (docs/design.md §5) must be the unsharded W^Q's whatever the sharding,
+and identical on every rank, since every rank's policy reads it.
+
+The common case needs no gather. FSDP2 shards a Linear's weight [out, in] on dim 0, so
+each rank holds whole rows of W^Q (a head's d_head rows may straddle two ranks). One power
+iteration step on head h, with v replicated:
+
+    u = W_h v          each rank: the entries of u for its own rows (local products)
+    Wᵀ u = Σ_r W_rᵀ u_r   a sum of per-rank partial [d_model] vectors: one all_reduce
+    ‖u‖² = Σ_r ‖u_r‖²     summed in the same all_reduce
+
+so a step sends H·(d_model + 1) numbers per layer, d_head times less than W^Q itself,
+and leaves σ and v bitwise identical on every rank (all ranks stop on the same step).
+
+Other layouts (a Conv1D weight, whose W^Q columns are sharded; Shard(1); meshes of more
+than one dimension) fall back to gathering the DTensor view of W^Q with `full_tensor()`
+and the plain `spectral.gram_norm`: correct, but it moves the whole W^Q (and, where
+DTensor must redistribute to slice it, the whole weight) every monitored step. Weights a
+process holds whole use `gram_norm` (no iteration, no warm start).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flashwatch.signals.spectral import (
+    DEFAULT_SEED,
+    WARM_MAX_ITERS,
+    gram_norm,
+    iterate,
+    start_vector,
+)
+from flashwatch.sites.site import AttentionSite
+
+
+def world_size() -> int:
+    """Ranks of the default process group; 1 without torch.distributed."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_dtensor(t) -> bool:
+    return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements")
+
+
+def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwargs
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(σ [H], v [H, d_model]) of site's W^Q for plain and sharded weights alike:
+    `spectral.gram_norm` of a whole weight, the sharded power iteration (warm-started
+    from v, `iters` steps at least, **kwargs) of rows spread over ranks. A sharded
+    weight makes this a collective: every rank of the weight's mesh must call it for
+    the same site in the same order."""
+    rows = local_wq_rows(site)
+    if rows is not None:
+        local, head, group = rows
+        return sharded_power_iteration(local, head, site.num_heads, v, iters, group=group,
+                                       **kwargs)
+    w = site.wq()
+    if is_dtensor(w):  # fallback: gather the view of W^Q (module docstring)
+        w = w.full_tensor()
+    return gram_norm(w.float())
+
+
+def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=None,
+                   **kwargs) -> list:
+    """`spectral_norm` of many sites: [(σ [H], v [H, d_model]) or the exception raised
+    for that site]. Plain weights of one shape (most models: every layer's) run as ONE
+    batched `gram_norm` over all their heads, whose cost on small models is per-op
+    overhead, not arithmetic. Sharded weights run site by site (each power-iteration
+    step is a collective), fault-symmetrically: a rank that fails on a site still takes
+    part in every iteration (`symmetric_sharded_norm`); `iters` and **kwargs are
+    theirs, `monitor` the watcher's MonitorGroup (flashwatch/parallel/reduce.py)."""
+    out: list = [None] * len(sites)
+    groups: dict = {}
+    for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        if is_row_sharded(site):
+            out[i] = symmetric_sharded_norm(site, v, iters, monitor, **kwargs)
+            continue
+        try:
+            if is_dtensor(site.wq_source()):
+                out[i] = spectral_norm(site, v, iters, **kwargs)
+                continue
+            w = site.wq()  # a view: upcast once per batch, in gram_norm
+            groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
+        except Exception as e:
+            out[i] = e
+    for members in groups.values():
+        # Batches of at most BATCH_BYTES of FP32 W^Q: all layers at once on small models,
+        # one copy of a layer's W^Q at a time on large ones (the concatenation copies).
+        per = max(1, BATCH_BYTES // (4 * members[0][1].numel()))
+        for lo in range(0, len(members), per):
+            batch = members[lo:lo + per]
+            try:
+                sigma, v = gram_norm(torch.cat([w for _, w in batch]))
+                sizes = [w.shape[0] for _, w in batch]
+                for (i, _), s_i, v_i in zip(batch, sigma.split(sizes), v.split(sizes),
+                                            strict=True):
+                    out[i] = (s_i, v_i)
+            except Exception as e:
+                for i, _ in batch:
+                    out[i] = e
+    return out
+
+
+def is_row_sharded(site: AttentionSite) -> bool:
+    """W^Q is rows of an nn.Linear weight that is a DTensor sharded on dim 0 over a 1-D
+    mesh: the same answer on every rank (it reads the weight's placement, not data)."""
+    from torch.distributed.tensor import Shard
+
+    source = getattr(site.wq_source, "rows_of", None)
+    if source is None or not isinstance(source[0], nn.Linear):
+        return False
+    w = getattr(source[0], "weight", None)
+    return (is_dtensor(w) and w.device_mesh.ndim == 1
+            and tuple(w.placements) == (Shard(0),))
+
+
+class RemoteFailure(RuntimeError):
+    """Another rank failed inside a collective computation; every rank stops it."""
+
+
+def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **kwargs):
+    """(σ, v) of a row-sharded W^Q, or the exception: every rank runs every iteration of
+    the sharded power iteration whatever failed locally. A rank whose rows could not be
+    read takes part with no rows and a failure flag that the iteration's own all_reduce
+    carries, so every rank stops at the same iteration with a RemoteFailure. On the
+    monitor's own group when it spans the mesh's ranks (the usual 1-D FSDP2 mesh), else
+    on the mesh's group (HSDP and other sub-meshes: docs/limits.md)."""
+    group = site.wq_source.rows_of[0].weight.device_mesh.get_group(0)  # is_row_sharded
+    error = None
+    try:
+        rows, head, _ = local_wq_rows(site)
+    except Exception as e:  # take part with no rows and the failure flag up
+        error = e
+        rows, head = torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64)
+    host = monitor is not None and monitor.distributed and monitor.covers(group)
+    try:
+        got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
+                                      group=monitor.group if host else group,
+                                      failed=error is not None, host=host, **kwargs)
+    except Exception as e:
+        got = e
+    return error if error is not None else got
+
+
+BATCH_BYTES = 64 << 20  # GPT-2 Small: all 12 layers' W^Q (28 MB) in one batch
+
+
+def _dim0_rows(t, start: int, stop: int, head_dim: int):
+    """(rows, head [n] int64, mesh) of rows [start, stop) of `t` held by this rank, when
+    `t` is a DTensor sharded on dim 0 over a 1-D mesh; else None. DTensor's Shard(0)
+    splits like torch.chunk: ceil(out / world) rows per rank. n may be 0."""
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return None
+    out, world, rank = t.shape[0], mesh.size(), mesh.get_local_rank()
+    chunk = -(-out // world)
+    offset = min(rank * chunk, out)
+    local = t.to_local().detach()
+    if local.shape[0] != min(chunk, out - offset):
+        raise RuntimeError(f"local shard of {tuple(t.shape)} has {local.shape[0]} rows on "
+                           f"rank {rank} of {world}, expected {min(chunk, out - offset)} "
+                           f"(torch.chunk layout)")
+    a, b = max(start, offset), min(stop, offset + local.shape[0])
+    rows = local[a - offset:max(a, b) - offset]
+    head = (torch.arange(a, max(a, b), device=rows.device) - start) // head_dim
+    return rows, head, mesh
+
+
+def local_wq_rows(site: AttentionSite):
+    """(rows [n, d_model], head [n] int64, process group) of W^Q held by this rank, when
+    W^Q is rows [start, stop) of an nn.Linear weight that is a DTensor sharded on dim 0
+    over a 1-D mesh; else None. n may be 0 (a rank holding only K and V rows)."""
+    source = getattr(site.wq_source, "rows_of", None)  # set by sites._rows_of
+    if source is None:
+        return None
+    q_module, start, stop = source
+    w = getattr(q_module, "weight", None)
+    if not isinstance(q_module, nn.Linear) or not is_dtensor(w):
+        return None
+    found = _dim0_rows(w, start, stop, site.head_dim)
+    if found is None:
+        return None
+    rows, head, mesh = found
+    return rows, head, mesh.get_group(0)
+
+
+def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(‖dW^Q_h‖²_F per head [H] float64 on the gradient's device, averaged) from the Q projection's
+    weight gradient `grad` (nn.Linear orientation). A plain tensor is this rank's own
+    gradient (averaged=False). A DTensor is FSDP2's shard of the gradient averaged over
+    ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
+    so that the cross-rank SUM of the watcher's reduction gives the averaged gradient's
+    norm without a gather; any other layout is gathered and counted on rank 0 only."""
+    from flashwatch.sites.site import q_rows
+
+    H, D = site.num_heads, site.head_dim
+    if not is_dtensor(grad):
+        g = q_rows(site, grad.detach()).float().reshape(H, D, -1)
+        return g.square().sum((1, 2)).double(), False
+    found = (None if site.q_slice_of_output is None
+             else _dim0_rows(grad, *site.q_slice_of_output, D))
+    if found is not None:
+        rows, head, _ = found
+        out = torch.zeros(H, dtype=torch.float64, device=rows.device)
+        out.index_add_(0, head, rows.double().square().sum(-1))
+        return out, True
+    full = grad.full_tensor().detach()  # every rank holds it: count it once
+    out = torch.zeros(H, dtype=torch.float64, device=full.device)
+    if torch.distributed.get_rank() == 0:
+        out = q_rows(site, full).double().reshape(H, D, -1).square().sum((1, 2))
+    return out, True
+
+
+def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
+                            v: torch.Tensor | None, iters: int, tol: float = 1e-6, *,
+                            group=None, seed: int = DEFAULT_SEED,
+                            max_iters: int = WARM_MAX_ITERS, failed: bool = False,
+                            host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`spectral.power_iteration` for a W^Q whose rows are spread over the ranks of
+    `group`: rows [n, b] are this rank's rows, head [n] the head of each. Same warm and
+    cold start rules, stopping test and arguments; returns (σ [H], v [H, b]), identical
+    on every rank. Fault-symmetric: each step's all_reduce carries a failure flag (this
+    rank's `failed`, or an exception in its local products, which then count as zeros);
+    once any rank's flag is up every rank raises RemoteFailure after the same step.
+    host: reduce on the CPU (a gloo group), moving the packed step there and back."""
+    import torch.distributed as dist
+
+    H, b = num_heads, rows.shape[1]
+    dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    rows = rows.to(dtype)
+    start = start_vector(H, b, seed=seed, dtype=dtype, device=rows.device)
+    cold = v is None
+    if cold:
+        v = start
+    else:
+        v = v.detach().to(device=rows.device, dtype=dtype)
+        bad = ~torch.isfinite(v).all(dim=1) | (v.norm(dim=1) == 0)
+        v = torch.where(bad[:, None], start, v / v.norm(dim=1, keepdim=True).clamp_min(1e-300))
+
+    local_error: list = []  # this rank's own failure, raised here instead of RemoteFailure
+
+    def step(v):  # (Σ_r W_rᵀ u_r [H, b], ‖u‖² [H]) for u = W v, summed over ranks
+        flag = 1.0 if failed else 0.0
+        try:
+            packed = torch.cat([local_power_step(rows, head, v, H),
+                                torch.full((1,), flag, dtype=dtype, device=rows.device)])
+        except Exception as e:
+            local_error.append(e)
+            packed = torch.zeros(H * b + H + 1, dtype=dtype, device=rows.device)
+            packed[-1] = 1.0
+        if host:  # the monitor's gloo group reduces on the CPU
+            reduced = packed.cpu()
+            dist.all_reduce(reduced, group=group)
+            packed = reduced.to(rows.device)
+        else:
+            dist.all_reduce(packed, group=group)
+        if float(packed[-1]) > 0:  # the same reduced flag on every rank
+            if local_error:
+                raise local_error[0]
+            raise RemoteFailure(f"{int(packed[-1])} rank(s) failed in the sharded power "
+                                f"iteration")
+        return packed[:H * b].view(H, b), packed[H * b:H * b + H]
+
+    return iterate(step, v, lambda: start, iters=iters, tol=tol, cold=cold,
+                   max_iters=max_iters)
+
+
+def local_power_step(rows: torch.Tensor, head: torch.Tensor, v: torch.Tensor, H: int
+                     ) -> torch.Tensor:
+    """This rank's part of one sharded power-iteration step, packed: [Σ W_rᵀ u_r (H·b),
+    ‖u_r‖² (H)] for u = W v on its own rows."""
+    b = rows.shape[1]
+    u = (rows * v[head]).sum(1)
+    return torch.cat([
+        torch.zeros(H, b, dtype=rows.dtype, device=rows.device).index_add_(
+            0, head, rows * u[:, None]).flatten(),
+        torch.zeros(H, dtype=rows.dtype, device=rows.device).index_add_(0, head, u * u)])

@@ -1,0 +1,202 @@
+"""Discovery: the attention layers of a model, recognised by the names of a module's
+direct children (the layouts are listed in flashwatch/sites/site.py's docstring; their Q and
+K channels in flashwatch/sites/layouts.py). `discover(model)` is `find_sites(model)` without
+the checks that follow it there."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from flashwatch.sites import layouts
+from flashwatch.sites.site import AttentionSite, _rows_at, _rows_of
+
+# Where head counts live, in the order they are tried: on the module first, then on its
+# `config`. The module wins because under tensor parallelism it holds the local (sharded)
+# count while the config holds the global one.
+HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
+HEAD_DIM_ATTRS = ("head_dim",)
+# Direct children that are separate Q, K, V projections: most HF models, BERT/RoBERTa/ViT
+# (query, key, value), T5 (q, k, v).
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+
+
+def discover(model: nn.Module) -> list[AttentionSite]:
+    found: list[AttentionSite] = []
+    claimed: set[int] = set()  # ids of modules inside a found site
+    rejected: list[str] = []  # near misses, named in the error if nothing is found
+    searched = 0
+    for name, module in model.named_modules():  # pre-order: parents before children
+        if id(module) in claimed:
+            continue
+        searched += 1
+        site = _match(name, module, rejected)
+        if site is not None:
+            found.append(site)
+            claimed.update(id(m) for m in module.modules())
+    if not found:
+        raise ValueError(_nothing_found(model, searched, rejected))
+    return found
+
+
+def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite | None:
+    children = module._modules  # direct children only: a block is not its attention
+    where = f"module {name or '<root>'!r} ({type(module).__name__})"
+    if children.get("c_attn") is not None:
+        return _match_c_attn(name, module, where, rejected)
+    for key in ("query_key_value", "qkv_proj"):
+        if isinstance(children.get(key), nn.Linear):
+            return _match_fused(name, module, key, where, rejected)
+    for names in QKV_NAMES:
+        projs = [children.get(p) for p in names]
+        if any(p is not None for p in projs):
+            return _match_separate(name, module, names, projs, where, rejected)
+    return None
+
+
+def _match_c_attn(name, module, where, rejected) -> AttentionSite | None:
+    c_attn = module._modules["c_attn"]
+    is_conv1d = type(c_attn).__name__ == "Conv1D"
+    if isinstance(c_attn, nn.Linear):
+        C, out = c_attn.in_features, c_attn.out_features
+    elif is_conv1d and getattr(c_attn, "weight", None) is not None and c_attn.weight.dim() == 2:
+        C, out = c_attn.weight.shape  # Conv1D stores [in, out]
+    else:
+        rejected.append(f"{where}: c_attn is {type(c_attn).__name__}, not nn.Linear or "
+                        "Conv1D")
+        return None
+    if out != 3 * C:
+        rejected.append(f"{where}: c_attn maps {C} -> {out} channels, expected 3*{C} = "
+                        f"{3 * C} (fused q, k, v of equal width)")
+        return None
+    H = _lookup_int(module, HEAD_ATTRS)
+    if H is None:
+        raise ValueError(_no_heads(where, "c_attn", module))
+    if C % H != 0:
+        raise ValueError(f"{where}: width {C} is not a multiple of its head count {H}; "
+                         "pass this site explicitly with sites=")
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=H, head_dim=C // H,
+        d_model=C, q_module=c_attn, kind="gpt2_conv1d" if is_conv1d else "nanogpt",
+        q_slice_of_output=(0, C), wq_source=_rows_of(c_attn, 0, C),
+        k_module=c_attn, k_index=torch.arange(C, 2 * C),
+    )
+
+
+def _match_fused(name, module, key, where, rejected) -> AttentionSite | None:
+    """One Linear computing q, k and v: GPT-NeoX/Pythia, Bloom, Falcon
+    (`query_key_value`), Phi-3 (`qkv_proj`, [Q | K | V] with grouped K, V)."""
+    qkv = module._modules[key]
+    H = _lookup_int(module, HEAD_ATTRS)
+    if H is None:
+        raise ValueError(_no_heads(where, key, module))
+    Hkv = _lookup_int(module, KV_HEAD_ATTRS)
+    if key == "query_key_value":
+        found = layouts.fused_layout(module, qkv, H, Hkv)
+        if isinstance(found, str):
+            rejected.append(f"{where}: {found}")
+            return None
+        layout, Hkv, D = found
+    else:
+        D = _lookup_int(module, HEAD_DIM_ATTRS) or qkv.in_features // H
+        Hkv = Hkv or H
+        layout = "q"
+        if qkv.out_features != (H + 2 * Hkv) * D:
+            rejected.append(f"{where}: qkv_proj has {qkv.out_features} outputs, expected "
+                            f"[Q | K | V] = (H + 2·Hkv)·D = {(H + 2 * Hkv) * D}")
+            return None
+    q_idx = layouts.q_index(layout, H, Hkv, D)
+    k_idx = layouts.k_index(layout, H, Hkv, D)
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+        d_model=qkv.in_features, q_module=qkv, kind="fused_qkv",
+        q_slice_of_output=None, wq_source=_rows_at(qkv, q_idx), q_index=q_idx,
+        layout=layout, k_module=qkv, k_index=k_idx,
+    )
+
+
+def _match_separate(name, module, names, projs, where, rejected) -> AttentionSite | None:
+    """Separate Q, K, V Linears (HF q_proj/k_proj/v_proj, BERT's query/key/value, T5's
+    q/k/v); q_proj with 2·H·D outputs is Qwen3-Next's gated [q_h | gate_h] per head."""
+    if not all(isinstance(p, nn.Linear) for p in projs):
+        kinds = ", ".join(f"{n}={type(p).__name__}" for n, p in zip(names, projs, strict=True))
+        rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
+        return None
+    q_proj, k_proj, v_proj = projs
+    H = _lookup_int(module, HEAD_ATTRS)
+    D = _lookup_int(module, HEAD_DIM_ATTRS)
+    if H is None and D is not None and q_proj.out_features % D == 0:
+        H = q_proj.out_features // D
+    if H is None:
+        raise ValueError(_no_heads(where, names[0], module))
+    if D is None:
+        D = q_proj.out_features // H
+    Hkv = _lookup_int(module, KV_HEAD_ATTRS)
+    if Hkv is None:
+        Hkv = k_proj.out_features // D
+    gated = q_proj.out_features == 2 * H * D
+    if ((q_proj.out_features != H * D and not gated) or k_proj.out_features != Hkv * D
+            or v_proj.out_features != Hkv * D or H % Hkv != 0):
+        raise ValueError(
+            f"{where}: head counts do not fit the projections: num_heads={H}, "
+            f"num_kv_heads={Hkv}, head_dim={D}, but {names[0]} has {q_proj.out_features} "
+            f"outputs, {names[1]} {k_proj.out_features}, {names[2]} {v_proj.out_features}; "
+            "pass this site explicitly with sites={name: dict(num_heads=..., "
+            f"num_kv_heads=..., head_dim=..., q_module={names[0]!r})}}"
+        )
+    layout = "per_head_q_gate" if gated else "q"
+    q_idx = layouts.q_index(layout, H, Hkv, D)
+    return AttentionSite(
+        name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+        d_model=q_proj.in_features, q_module=q_proj, kind="gated_q" if gated else "hf",
+        q_slice_of_output=None, wq_source=_rows_at(q_proj, q_idx), q_index=q_idx,
+        layout=layout, k_module=k_proj, k_index=torch.arange(Hkv * D),
+    )
+
+
+def _lookup_int(module: nn.Module, attrs: Sequence[str]) -> int | None:
+    """First positive int among module.<attr>, then module.config.<attr>."""
+    holders = [module]
+    config = getattr(module, "config", None)
+    if config is not None:
+        holders.append(config)
+    for holder in holders:
+        for attr in attrs:
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _no_heads(where: str, proj: str, module: nn.Module) -> str:
+    return (
+        f"{where} has an attention projection `{proj}` but no head count: looked for "
+        f"{', '.join(HEAD_ATTRS)} (and {', '.join(HEAD_DIM_ATTRS)}) on the module and on its "
+        "`config`. Set one of them, or pass the site explicitly: "
+        "find_sites(model, sites={name: dict(num_heads=..., q_module=...)})"
+    )
+
+
+def _nothing_found(model: nn.Module, searched: int, rejected: list[str]) -> str:
+    lines = [
+        f"found no attention layers in {type(model).__name__} ({searched} modules searched). "
+        "flashwatch looks for modules with these direct children:",
+        "  - nanoGPT: `c_attn` = nn.Linear(C, 3C) (fused q, k, v) and a head count",
+        "  - Hugging Face: `q_proj`, `k_proj`, `v_proj` = nn.Linear, head count on the module "
+        "or its `config`",
+        "  - GPT-2 (transformers): `c_attn` = Conv1D with weight [C, 3C] and a head count",
+        f"  head count attributes: {', '.join(HEAD_ATTRS + KV_HEAD_ATTRS + HEAD_DIM_ATTRS)}",
+    ]
+    if rejected:
+        lines.append("Close matches that were rejected:")
+        lines.extend(f"  - {r}" for r in rejected[:10])
+    lines.append(
+        "Pass the attention modules explicitly, e.g. sites={'blocks.0.attn': "
+        "dict(num_heads=8, q_module='qkv')} (q_module: the Q projection, relative to the "
+        "attention module; fused [q | k | v] works), or a list of "
+        "flashwatch.make_site(...)"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""flashwatch/diagnosis/cli.py, `flashwatch diagnose`: the three checkpoint kinds end to
+end (nanoGPT checkpoints and their growth, a Hugging Face directory, a module function)
+and its errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from _helpers import tiny_llama
+
+from examples.gpt import GPT, GPTConfig
+from flashwatch.cli import main
+
+
+def _nanogpt_ckpt(path, model, args):
+    torch.save({"model_args": args, "iter_num": 7,
+                "model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}}, path)
+
+
+def test_cli_nanogpt_checkpoints_growth(tmp_path, capsys):
+    args = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, bias=True, vocab_size=64,
+                dropout=0.0)
+    model = GPT(GPTConfig(**args))
+    _nanogpt_ckpt(tmp_path / "a.pt", model, args)
+    with torch.no_grad():  # layer 1, head 3: W^Q × 3 in the later checkpoint
+        model.transformer.h[1].attn.c_attn.weight[24:32] *= 3.0
+    _nanogpt_ckpt(tmp_path / "b.pt", model, args)
+    np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16).tofile(tmp_path / "d.bin")
+    out = tmp_path / "out"
+    code = main(["diagnose", str(tmp_path / "a.pt"), str(tmp_path / "b.pt"), "--data",
+                 str(tmp_path / "d.bin"), "--batches", "2", "--out", str(out)])
+    assert code == 0
+    for name in ("report.md", "diagnose.json", "heads.png", "growth.png"):
+        assert (out / name).stat().st_size > 200
+    js = json.loads((out / "diagnose.json").read_text())
+    assert [c["name"] for c in js["checkpoints"]] == ["a.pt", "b.pt"]
+    g = {(r["layer"], r["head"]): r for r in js["growth"]}
+    assert g[("transformer.h.1.attn", 3)]["wq_sigma"] == pytest.approx(3.0, rel=1e-6)  # FP32 × 3
+    assert g[("transformer.h.1.attn", 2)]["wq_sigma"] == pytest.approx(1.0, rel=1e-12)
+    assert all(h["rows"] == 2 * 32 for h in js["checkpoints"][1]["heads"])  # every row
+    md = (out / "report.md").read_text()
+    assert "grew 3.00× the median head" in md
+    assert "| a.pt | " in md and "| b.pt | " in md  # the per-checkpoint table
+    cap = capsys.readouterr()
+    printed = cap.out.splitlines()
+    assert printed[0].startswith("a.pt: ") and printed[1].startswith("b.pt: ")
+    assert "diagnose b.pt: batch 1.50/2" in cap.err  # progress: one layer of two measured
+
+
+def test_cli_hugging_face_directory(tmp_path, capsys):
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "llama")
+    torch.save(torch.randint(64, (3, 20)), tmp_path / "rows.pt")
+    out = tmp_path / "out"
+    code = main(["diagnose", str(tmp_path / "llama"), "--data", str(tmp_path / "rows.pt"),
+                 "--batches", "3", "--out", str(out)])
+    assert code == 0
+    js = json.loads((out / "diagnose.json").read_text())
+    (res,) = js["checkpoints"]
+    assert len(res["heads"]) == 8 and res["batches"] == 3 and res["dtype"] == "bfloat16"
+    assert {h["grad_path"] for h in res["heads"]} == {"autograd"}  # RoPE
+    assert all(h["rows"] == 3 * 19 for h in res["heads"])
+    md = (out / "report.md").read_text()
+    assert "| rank | layer/head | verdict |" in md and "model.layers.1.self_attn" in md
+
+
+def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
+    (tmp_path / "mymodels.py").write_text(
+        "from examples.gpt import GPT, GPTConfig\n"
+        "def build():\n    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, "
+        "block_size=16))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "d.txt").write_text("the quick brown fox jumps over the lazy dog " * 4)
+    out = tmp_path / "out"
+    assert main(["diagnose", "mymodels:build", "--data", str(tmp_path / "d.txt"),
+                 "--batches", "2", "--out", str(out)]) == 0
+    assert len(json.loads((out / "diagnose.json").read_text())["checkpoints"][0]["heads"]) == 2
+    assert main(["diagnose", str(tmp_path / "nothing-here"), "--data",
+                 str(tmp_path / "d.txt")]) == 2
+    assert "neither a directory, a file nor module:function" in capsys.readouterr().err
+    torch.save({"weights": 1}, tmp_path / "other.pt")
+    assert main(["diagnose", str(tmp_path / "other.pt"), "--data",
+                 str(tmp_path / "d.txt")]) == 2
+    assert "not a nanoGPT checkpoint" in capsys.readouterr().err
+
+
+def test_the_default_batch_count_can_show_a_persistent_sign():
+    """A sign that never changes over n batches has |z| = √n: the default must reach
+    diagnose_rank.Z_MIN, or no head can ever be called a paper failure from the CLI."""
+    from flashwatch.cli import build_parser
+    from flashwatch.diagnosis.rank import Z_MIN
+
+    args = build_parser().parse_args(["diagnose", "ckpt.pt", "--data", "train.bin"])
+    assert math.sqrt(args.batches) >= Z_MIN, args.batches

@@ -1,0 +1,48 @@
+"""flashwatch/diagnosis/rank.py: verdicts and their order, growth across checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _record(head, **kw):
+    base = dict(layer="h.0", head=head, num_heads=4, tied_ratio=0.0, sign_z=0.0,
+                wq_sigma=1.0, wq_ratio=1.0, delta_share=0.01, max_logit=5.0, qk_clip_eta=1.0)
+    return base | kw
+
+
+def test_verdicts_and_their_order():
+    from flashwatch.diagnosis.rank import rank
+
+    heads = [_record(0),  # ok
+             _record(1, max_logit=400.0, qk_clip_eta=0.25),  # logit growth
+             _record(2, delta_share=0.3),  # δ error without a persistent sign
+             _record(3, tied_ratio=0.2, sign_z=-4.5, wq_ratio=2.5, delta_share=0.05)]
+    out = rank(heads, batches=25, tau=100.0)
+    assert [(h["head"], h["verdict"]) for h in out] == [
+        (3, "paper-failure"), (2, "delta-error"), (1, "logit-growth"), (0, "ok")]
+    assert [h["rank"] for h in out] == [1, 2, 3, 4]
+    modes = out[0]["recommendation"].split("[")[1].split("]")[0]
+    assert [int(m) for m in modes.split(",")] == [0, 0, 0, 2]  # head 3 → Mode.FP32_O
+    assert "qk_clip_threshold=100" in out[2]["recommendation"] and "0.25" in out[2][
+        "recommendation"]
+    assert out[3]["recommendation"] == "nothing"
+    # Without the sign (|z| < 3) the same head is only a δ-error or growth case; with
+    # 4 batches the evidence says why the sign cannot show.
+    (h,) = rank([_record(3, tied_ratio=0.2, sign_z=-1.9, wq_ratio=2.5)], 4, 100.0)
+    assert h["verdict"] == "logit-growth" and "≥ 9 batches to show it" in h["evidence"]
+
+
+def test_growth_across_checkpoints_counts_as_a_large_wq():
+    from flashwatch.diagnosis.rank import growth, rank
+
+    old = dict(heads=[_record(h) for h in range(4)])
+    new = dict(heads=[_record(h, wq_sigma=6.0 if h == 1 else 1.5, tied_ratio=0.1,
+                              sign_z=3.5) for h in range(4)])
+    g = growth([old, new])
+    assert g[("h.0", 1)]["wq_sigma"] == 6.0 and g[("h.0", 0)]["wq_sigma"] == 1.5
+    assert g[("h.0", 1)]["series"]["wq_sigma"] == [1.0, 6.0]
+    out = rank(new["heads"], 16, 100.0, g)  # wq_ratio 1 everywhere: growth decides
+    assert out[0]["head"] == 1 and out[0]["verdict"] == "paper-failure"
+    assert out[0]["wq_growth_vs_layer"] == pytest.approx(4.0)  # 6 / median 1.5
+    assert all(h["verdict"] == "ok" for h in out[1:])
