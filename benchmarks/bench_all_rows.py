@@ -37,7 +37,7 @@ ARMS = ("plain", "sdpa_sampled", "sdpa_all", "own_sampled", "own_all")
 
 
 def without_fp32_o(real):
-    """_dispatch that never hands the watcher the kernel's FP32 O (sampled rows only)."""
+    """call_kernel that never hands the watcher the kernel's FP32 O (sampled rows only)."""
     def dispatch(*args, o32_out=None, **kw):
         return real(*args, **kw)
     return dispatch
@@ -64,14 +64,14 @@ def main() -> None:
         "own_all": fw.watch(models["own_all"], route_all=True, **kw),
     }
     opts = {arm: torch.optim.AdamW(m.parameters(), lr=1e-3) for arm, m in models.items()}
-    real = fw_dispatch._dispatch
+    real = fw_dispatch.call_kernel
     g = torch.Generator().manual_seed(0)
     times = {arm: [] for arm in ARMS}
     for step in range(args.steps + 2):
         idx = torch.randint(0, cfg.vocab_size, (8, cfg.block_size + 1), generator=g)
         x, y = idx[:, :-1].to(dev), idx[:, 1:].to(dev)
         for arm in ARMS:
-            fw_dispatch._dispatch = without_fp32_o(real) if arm == "own_sampled" else real
+            fw_dispatch.call_kernel = without_fp32_o(real) if arm == "own_sampled" else real
             t0 = time.perf_counter()
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 _, loss = models[arm](x, y)
@@ -85,7 +85,7 @@ def main() -> None:
                 torch.cuda.synchronize()
             if step >= 2:  # warm-up
                 times[arm].append(time.perf_counter() - t0)
-    fw_dispatch._dispatch = real
+    fw_dispatch.call_kernel = real
     med = {arm: statistics.median(t) for arm, t in times.items()}
     print(f"GPT {cfg.n_layer}L {cfg.n_head}H d={cfg.n_embd} T={cfg.block_size} B=8, bf16 "
           f"autocast, {dev}, {torch.get_num_threads()} thread(s), {args.steps} monitored "

@@ -25,7 +25,7 @@ from torch import nn
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
 from flashwatch.parallel import sharding as fw_dist  # noqa: E402
 from flashwatch.signals.spectral import gram_norm, power_iteration  # noqa: E402
-from flashwatch.sites.site import find_sites  # noqa: E402
+from flashwatch.sites import find_sites  # noqa: E402
 
 
 class Attention(nn.Module):

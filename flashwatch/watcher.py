@@ -38,8 +38,8 @@ from flashwatch.monitor.monitored_step import StepPipeline
 from flashwatch.parallel import reduce
 from flashwatch.report.records import StepReport
 from flashwatch.report.sinks import Sink
+from flashwatch.sites import find_sites
 from flashwatch.sites.layouts import QCheck
-from flashwatch.sites.site import find_sites
 
 log = logging.getLogger("flashwatch")
 

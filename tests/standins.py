@@ -298,7 +298,7 @@ class TiedAttention(nn.Module):
 
 
 def leaning_dispatch(real, bias: float):
-    """Wrap flashwatch.kernels.dispatch._dispatch into a kernel whose low-precision O leans
+    """Wrap flashwatch.kernels.dispatch.call_kernel into a kernel whose low-precision O leans
     positive by `bias`·|O| in STANDARD and BETA heads (as a real kernel's rounding can),
     while FP32_O heads' δ uses the FP32 O. The gradient is unchanged (detached)."""
 

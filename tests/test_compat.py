@@ -276,7 +276,7 @@ def test_interleaved_layouts_count_their_own_q_gradient():
     """‖dW^Q_h‖² (delta_error_share's denominator) of GPT-NeoX's per-head [q|k|v] rows:
     the Q rows as modeling_gpt_neox splits them, not the first H·D rows."""
     from flashwatch.parallel.sharding import wq_grad_sq
-    from flashwatch.sites.site import find_sites
+    from flashwatch.sites import find_sites
 
     site = find_sites(hf_tiny("gpt_neox")[0])[0]
     grad = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))

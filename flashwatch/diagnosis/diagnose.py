@@ -36,7 +36,7 @@ from flashwatch._checks import check_float
 from flashwatch.diagnosis.measure import Capture, LayerBatch, wq_rows
 from flashwatch.diagnosis.rank import rank
 from flashwatch.mitigation.qkclip import clip_factors
-from flashwatch.sites.site import AttentionSite, find_sites
+from flashwatch.sites import AttentionSite, find_sites
 
 
 def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = None,

@@ -23,7 +23,7 @@ BACKENDS = ("auto", "reference", "triton", "paper")
 
 # Set by a Watcher while one of its attention modules runs, so that calls to
 # flashwatch.attention inside it are attributed to that layer (and get its head modes).
-_INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("flashwatch_intercept",
+INTERCEPT: contextvars.ContextVar = contextvars.ContextVar("flashwatch_intercept",
                                                             default=None)
 
 
@@ -127,18 +127,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """
     # Dynamo cannot trace ContextVar.get (graph break), so compiled code skips the watcher
     # hook: a torch.compile'd call runs with the head modes it was given.
-    intercept = None if torch.compiler.is_compiling() else _INTERCEPT.get()
+    intercept = None if torch.compiler.is_compiling() else INTERCEPT.get()
     if intercept is not None:
         return intercept(q, k, v, causal=causal, scale=scale, head_modes=head_modes,
                          beta=beta, eps=eps, stats=stats, backend=backend,
                          attn_mask=attn_mask, softcap=softcap,
                          sliding_window=sliding_window)
-    return _dispatch(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
+    return call_kernel(q, k, v, causal=causal, scale=scale, head_modes=head_modes, beta=beta,
                      eps=eps, stats=stats, backend=backend, attn_mask=attn_mask,
                      softcap=softcap, sliding_window=sliding_window)
 
 
-def _dispatch(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
+def call_kernel(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
               o32_out: list | None = None, attn_mask=None, softcap=None,
               sliding_window=None):
     """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,

@@ -221,7 +221,7 @@ class Attachment:
         frames = self.frames()
         frames.append(frame)
         try:
-            frame[1] = _dispatch_mod._INTERCEPT.set(rec.interceptor(st))
+            frame[1] = _dispatch_mod.INTERCEPT.set(rec.interceptor(st))
             self._mode.__enter__()
             frame[2] = True
         except Exception as e:
@@ -235,7 +235,7 @@ class Attachment:
                     if frame[2]:
                         self._mode.__exit__(None, None, None)
                     if frame[1] is not None:
-                        _dispatch_mod._INTERCEPT.reset(frame[1])
+                        _dispatch_mod.INTERCEPT.reset(frame[1])
                     st.buf.x = None
                 except Exception as e:
                     rec.ledger.error(f"forward exit {st.site.name}", e)
@@ -316,5 +316,5 @@ class Attachment:
             if pushed:
                 self._mode.__exit__(None, None, None)
             if token is not None:
-                _dispatch_mod._INTERCEPT.reset(token)
+                _dispatch_mod.INTERCEPT.reset(token)
         self.frames().clear()

@@ -178,7 +178,7 @@ class Recorder(ProbeRecorder):
             except Exception as e:  # a failure of ours: run the call as it was made
                 self.ledger.error(f"routing {st.site.name}", e)
                 self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
-                return _dispatch_mod._dispatch(q, k, v, causal=causal, scale=scale,
+                return _dispatch_mod.call_kernel(q, k, v, causal=causal, scale=scale,
                                                head_modes=head_modes, beta=beta, eps=eps,
                                                stats=stats, backend=backend,
                                                attn_mask=attn_mask, softcap=softcap,
@@ -210,7 +210,7 @@ class Recorder(ProbeRecorder):
         if self.cadence.measuring or user_stats is not None:
             stats = AttentionStats.zeros(q.shape[1], device=q.device)
         o32 = [] if self.cadence.measuring else None  # the kernel's FP32 O: c[T] on every row
-        out = _dispatch_mod._dispatch(
+        out = _dispatch_mod.call_kernel(
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32, attn_mask=attn_mask,

@@ -7,6 +7,7 @@ May import: flashwatch.kernels, flashwatch._checks.
 """
 
 from flashwatch.sites.explicit import make_site
-from flashwatch.sites.site import AttentionSite, find_sites
+from flashwatch.sites.find import find_sites
+from flashwatch.sites.site import AttentionSite
 
 __all__ = ["AttentionSite", "find_sites", "make_site"]

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from flashwatch.sites import layouts
-from flashwatch.sites.site import AttentionSite, _rows_at, _rows_of
+from flashwatch.sites.site import AttentionSite
+from flashwatch.sites.weights import rows_at, rows_of
 
 # Where head counts live, in the order they are tried: on the module first, then on its
 # `config`. The module wins because under tensor parallelism it holds the local (sharded)
@@ -81,7 +82,7 @@ def _match_c_attn(name, module, where, rejected) -> AttentionSite | None:
     return AttentionSite(
         name=name, module=module, num_heads=H, num_kv_heads=H, head_dim=C // H,
         d_model=C, q_module=c_attn, kind="gpt2_conv1d" if is_conv1d else "nanogpt",
-        q_slice_of_output=(0, C), wq_source=_rows_of(c_attn, 0, C),
+        q_slice_of_output=(0, C), wq_source=rows_of(c_attn, 0, C),
         k_module=c_attn, k_index=torch.arange(C, 2 * C),
     )
 
@@ -113,7 +114,7 @@ def _match_fused(name, module, key, where, rejected) -> AttentionSite | None:
     return AttentionSite(
         name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
         d_model=qkv.in_features, q_module=qkv, kind="fused_qkv",
-        q_slice_of_output=None, wq_source=_rows_at(qkv, q_idx), q_index=q_idx,
+        q_slice_of_output=None, wq_source=rows_at(qkv, q_idx), q_index=q_idx,
         layout=layout, k_module=qkv, k_index=k_idx,
     )
 
@@ -152,7 +153,7 @@ def _match_separate(name, module, names, projs, where, rejected) -> AttentionSit
     return AttentionSite(
         name=name, module=module, num_heads=H, num_kv_heads=Hkv, head_dim=D,
         d_model=q_proj.in_features, q_module=q_proj, kind="gated_q" if gated else "hf",
-        q_slice_of_output=None, wq_source=_rows_at(q_proj, q_idx), q_index=q_idx,
+        q_slice_of_output=None, wq_source=rows_at(q_proj, q_idx), q_index=q_idx,
         layout=layout, k_module=k_proj, k_index=torch.arange(Hkv * D),
     )
 

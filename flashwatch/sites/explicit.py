@@ -25,13 +25,12 @@ from flashwatch._checks import check_int
 from flashwatch.sites import layouts
 from flashwatch.sites.site import (
     AttentionSite,
-    _as_index,
-    _as_slice,
-    _get_submodule,
-    _rows_at,
-    _weight_of,
     canonical_name,
+    get_submodule,
+    parse_index,
+    parse_slice,
 )
+from flashwatch.sites.weights import rows_at, weight_of
 
 SPEC_KEYS = ("num_heads", "q_module", "wq", "num_kv_heads", "head_dim", "q_slice_of_output",
              "q_layout", "q_channels")
@@ -62,7 +61,7 @@ def explicit_sites(
             if not isinstance(site, AttentionSite):
                 raise TypeError(f"sites[{i}] must be an AttentionSite, got "
                                 f"{type(site).__name__}; build one with make_site(model, ...)")
-            if _get_submodule(model, site.name) is not site.module and not any(
+            if get_submodule(model, site.name) is not site.module and not any(
                     m is site.module and canonical_name(model, n) == site.name
                     for n, m in model.named_modules()):
                 raise ValueError(f"sites[{i}]: model.{site.name or '<root>'} is not "
@@ -120,7 +119,7 @@ def make_site(
         raise TypeError(f"{where}: wq must be a tensor or a callable returning one, got "
                         f"{type(wq).__name__}")
     q_mod = _resolve_q_module(model, name, module, q_module)
-    q_weight = _weight_of(q_mod) if q_mod is not None else None  # [out, in] view or None
+    q_weight = weight_of(q_mod) if q_mod is not None else None  # [out, in] view or None
     d_model = _d_model(where, wq, q_mod, q_weight)
     if head_dim is None:
         head_dim = _default_head_dim(where, d_model, num_heads)
@@ -141,7 +140,7 @@ def _site_module(model: nn.Module, name: str) -> nn.Module:
     """The attention module at path `name` in `model`."""
     if not isinstance(name, str):
         raise TypeError(f"site name must be a str module path, got {type(name).__name__}")
-    module = _get_submodule(model, name)
+    module = get_submodule(model, name)
     if module is None:
         raise ValueError(f"site {name!r}: the model has no module named {name!r}; use a "
                          "name from model.named_modules()")
@@ -176,7 +175,7 @@ def _wq_source(where: str, wq: Callable[[], torch.Tensor] | torch.Tensor | None,
                q_mod: nn.Module | None, q_weight: torch.Tensor | None,
                index: torch.Tensor) -> Callable[[], torch.Tensor]:
     """The getter the site reads W^Q through: wq as given (a tensor is wrapped), or by
-    default q_module's weight rows `index` (`_rows_at`)."""
+    default q_module's weight rows `index` (`rows_at`)."""
     if wq is None:
         if q_weight is None:
             raise ValueError(f"{where}: q_module is {type(q_mod).__name__}, not an nn.Linear "
@@ -184,7 +183,7 @@ def _wq_source(where: str, wq: Callable[[], torch.Tensor] | torch.Tensor | None,
         if int(index.max()) >= q_weight.shape[0]:
             raise ValueError(f"{where}: the Q channels go up to {int(index.max())}, past the "
                              f"{q_weight.shape[0]} outputs of q_module")
-        return _rows_at(q_mod, index)
+        return rows_at(q_mod, index)
     if isinstance(wq, torch.Tensor):
         return lambda: wq
     return wq
@@ -200,7 +199,7 @@ def _explicit_index(where: str, H: int, Hkv: int, D: int, *, q_slice: tuple[int,
         raise ValueError(f"{where}: pass at most one of q_slice_of_output, q_layout and "
                          f"q_channels, got {given}")
     if q_channels is not None:
-        return _as_index(q_channels, H * D, where)
+        return parse_index(q_channels, H * D, where)
     if q_layout is not None:
         if q_layout not in layouts.LAYOUTS:
             raise ValueError(f"{where}: q_layout must be one of {layouts.LAYOUTS}, got "
@@ -208,7 +207,7 @@ def _explicit_index(where: str, H: int, Hkv: int, D: int, *, q_slice: tuple[int,
         if H % Hkv:
             raise ValueError(f"{where}: num_heads={H} is not a multiple of num_kv_heads={Hkv}")
         return layouts.q_index(q_layout, H, Hkv, D)
-    start, stop = _as_slice(q_slice or (0, H * D), where)
+    start, stop = parse_slice(q_slice or (0, H * D), where)
     if stop - start != H * D:
         raise ValueError(f"{where}: q_slice_of_output={q_slice} spans {stop - start} channels "
                          f"but num_heads * head_dim = {H} * {D} = {H * D}; the slice must "
@@ -223,9 +222,9 @@ def _resolve_q_module(model: nn.Module, name: str, module: nn.Module,
     if not isinstance(q_module, str):
         raise TypeError(f"site {name!r}: q_module must be a module path (str), an nn.Module "
                         f"or None, got {type(q_module).__name__}")
-    found = _get_submodule(module, q_module)
+    found = get_submodule(module, q_module)
     if found is None:
-        found = _get_submodule(model, q_module)
+        found = get_submodule(model, q_module)
     if found is None:
         children = [n for n, _ in module.named_children()]
         raise ValueError(f"site {name!r}: q_module={q_module!r} is neither a submodule of the "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashwatch.sites.orientation import _autocast_off, _plain_call
+from flashwatch.sites.weights import autocast_off, plain_call
 
 LAYOUTS = ("q", "per_head_qkv", "per_group_qkv", "per_head_q_gate")
 # Children holding a norm applied to q (QK-norm): Qwen3, Gemma3, OLMo2, Qwen3-Next
@@ -75,15 +75,6 @@ def k_index(layout: str, num_heads: int, num_kv_heads: int, head_dim: int) -> to
         raise ValueError(f"layout {layout!r} has no K channels (fused q, k, v layouts: "
                          f"'q', 'per_head_qkv', 'per_group_qkv')")
     return (first[:, None] + torch.arange(D)).flatten()
-
-
-def as_slice(index: torch.Tensor) -> tuple[int, int] | None:
-    """(start, stop) when `index` is a contiguous ascending run, else None."""
-    if index.numel() == 0:
-        return None
-    start = int(index[0])
-    return (start, start + index.numel()) if torch.equal(
-        index, torch.arange(start, start + index.numel())) else None
 
 
 def fused_layout(module: nn.Module, qkv: nn.Linear, H: int, Hkv: int | None
@@ -180,7 +171,7 @@ class QCheck:
         if x.dim() != 3 or x.shape[:2] != (B, N) or (H, D) != (site.num_heads, site.head_dim):
             return False
         n = min(N, QCHECK_ROWS)
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             # .forward, not __call__: no hooks, so the watcher's own X hook keeps the
             # layer's X (a sharded q_module needs its gathered weights: hooks and all)
             out = _call(site.q_module)(x[:1, :n])
@@ -221,5 +212,5 @@ class QCheck:
 
 
 def _call(module: nn.Module):
-    plain = _plain_call(module)
+    plain = plain_call(module)
     return module.forward if plain is module else plain

@@ -18,15 +18,10 @@ gathered) serve QCheck and the reading of interleaved W^Q rows (flashwatch/sites
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
-from torch import nn
 
-if TYPE_CHECKING:  # sites.py imports this module
-    from flashwatch.sites.site import AttentionSite
+from flashwatch.sites.site import AttentionSite
+from flashwatch.sites.weights import autocast_off, gathered, plain_call
 
 # Tolerance, relative Frobenius error of X·W^Qᵀ. A transposed weight or a wrong slice
 # gives two unrelated random maps: error ≈ sqrt(2) ≈ 1.4. BF16 rounding of the output
@@ -47,7 +42,7 @@ def check_orientation(site: AttentionSite) -> None:
     """
     if site.q_module is None:
         return
-    w = _gathered(site.wq())
+    w = gathered(site.wq())
     if w.device.type == "meta":
         return
     if not w.dtype.is_floating_point:
@@ -58,9 +53,9 @@ def check_orientation(site: AttentionSite) -> None:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, site.d_model, generator=gen).to(device=w.device, dtype=w.dtype)
     index = site.q_index
-    with torch.no_grad(), _autocast_off(w.device.type):
+    with torch.no_grad(), autocast_off(w.device.type):
         try:
-            call = _plain_call(site.q_module)
+            call = plain_call(site.q_module)
             out, zero = call(x), call(torch.zeros_like(x))
         except Exception as e:
             raise RuntimeError(
@@ -98,24 +93,3 @@ def check_orientation(site: AttentionSite) -> None:
         )
 
 
-def _autocast_off(device_type: str):
-    """Autocast off, so q_module runs in its weights' dtype even inside a user's autocast."""
-    available = getattr(torch.amp, "is_autocast_available", lambda d: d in ("cpu", "cuda"))
-    if available(device_type):
-        return torch.autocast(device_type=device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _gathered(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value as a plain tensor (a collective); other tensors as they are."""
-    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
-
-
-def _plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """module's forward, on gathered copies of its DTensor parameters if it has any:
-    outside its FSDP2 forward a sharded module cannot mix them with a plain input."""
-    params = dict(module.named_parameters())
-    if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
-        return module
-    plain = {n: _gathered(p.detach()) for n, p in params.items()}
-    return lambda x: torch.func.functional_call(module, plain, (x,))

@@ -36,8 +36,7 @@ on its first monitored call.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,21 +44,9 @@ import torch
 from torch import nn
 
 from flashwatch._checks import check_int
-from flashwatch.sites import layouts
-from flashwatch.sites.eager_attention import refuse_no_sdpa
-from flashwatch.sites.orientation import _gathered, check_orientation
+from flashwatch.sites.weights import as_slice
 
 KINDS = ("nanogpt", "hf", "gpt2_conv1d", "fused_qkv", "gated_q", "explicit")
-
-
-def __getattr__(name: str) -> Any:
-    """`make_site` and `SPEC_KEYS` live in flashwatch/sites/explicit.py, which imports this
-    module; `from flashwatch.sites.site import make_site` still works, imported on first use."""
-    if name in ("make_site", "SPEC_KEYS"):
-        from flashwatch.sites import explicit as explicit_sites
-
-        return getattr(explicit_sites, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(eq=False)
@@ -123,14 +110,14 @@ class AttentionSite:
             raise TypeError(f"{where}: q_module must be an nn.Module or None, got "
                             f"{type(self.q_module).__name__}")
         if self.q_index is not None:
-            self.q_index = _as_index(self.q_index, self.num_heads * self.head_dim, where)
-            self.q_slice_of_output = layouts.as_slice(self.q_index)
+            self.q_index = parse_index(self.q_index, self.num_heads * self.head_dim, where)
+            self.q_slice_of_output = as_slice(self.q_index)
         if self.q_module is not None and self.q_slice_of_output is None \
                 and self.q_index is None:
             raise ValueError(f"{where}: q_module is set but q_slice_of_output is None; pass "
                              "(start, stop) of the Q channels in q_module's output")
         if self.q_slice_of_output is not None and self.q_index is None:
-            start, stop = _as_slice(self.q_slice_of_output, where)
+            start, stop = parse_slice(self.q_slice_of_output, where)
             if stop - start != self.num_heads * self.head_dim:
                 raise ValueError(
                     f"{where}: q_slice_of_output={self.q_slice_of_output} spans "
@@ -141,7 +128,7 @@ class AttentionSite:
             self.q_slice_of_output = (start, stop)
             self.q_index = torch.arange(start, stop)
         if self.k_index is not None:
-            self.k_index = _as_index(self.k_index, self.num_kv_heads * self.head_dim, where)
+            self.k_index = parse_index(self.k_index, self.num_kv_heads * self.head_dim, where)
         if not callable(self.wq_source):
             raise TypeError(f"{where}: wq_source must be a callable returning W^Q, got "
                             f"{type(self.wq_source).__name__}")
@@ -164,82 +151,7 @@ class AttentionSite:
         return w.detach()
 
 
-def find_sites(
-    model: nn.Module,
-    sites: Sequence[AttentionSite] | Mapping[str, Mapping[str, Any]] | None = None,
-) -> list[AttentionSite]:
-    """The attention sites of `model`, in `named_modules()` order, orientation-checked.
-
-    sites: None to discover them (layouts in the module docstring); a dict
-      {module_name: spec} where spec holds `make_site`'s keyword arguments; or a list of
-      `AttentionSite`. Explicit sites replace discovery, they are not added to it.
-    A module inside a site is never a second site (HF attention contains q_proj, ...).
-    Site names are canonical (`canonical_name`): the same for the model compiled,
-    checkpoint-wrapped or FSDP-wrapped, so a watcher's state moves between them.
-    Layers that make no SDPA call (HF attn_implementation="eager", Bloom) are refused
-    with ValueError (flashwatch/sites/eager_attention.py).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if sites is None:
-        from flashwatch.sites.discovery import discover  # it builds AttentionSites: imported here
-
-        found = discover(model)
-    else:
-        from flashwatch.sites.explicit import explicit_sites  # it imports this module
-
-        found = explicit_sites(model, sites)
-    if not found:
-        raise ValueError("sites is empty; pass None to discover the attention layers or "
-                         "at least one site")
-    _check_disjoint(found)
-    refuse_no_sdpa(found)
-    for site in found:
-        check_orientation(site)
-    return [_canonical(model, site) for site in found]
-
-
 # --- helpers -------------------------------------------------------------------------
-
-
-def _rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.Tensor]:
-    """Getter for output channels [start, stop) of a Linear/Conv1D weight as [out, in].
-
-    It reads `q_module.weight` on every call, so a replaced Parameter is seen too. The
-    getter carries `rows_of = (q_module, start, stop)`, so the spectral norm of a
-    sharded weight can work on each rank's own rows (flashwatch/parallel/sharding.py).
-    """
-    def rows() -> torch.Tensor:
-        return _weight_of(q_module)[start:stop]
-
-    rows.rows_of = (q_module, start, stop)
-    return rows
-
-
-def _rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """`_rows_of` for output channels `index` ([n] int64): a contiguous run keeps the
-    view (and `rows_of`); an interleaved one is gathered (a copy) on every call, from
-    the whole weight when it is sharded (a DTensor: a collective, in the same order on
-    every rank as every other read of W^Q)."""
-    run = layouts.as_slice(index)
-    if run is not None:
-        return _rows_of(q_module, *run)
-
-    def rows() -> torch.Tensor:
-        w = _gathered(_weight_of(q_module))
-        return w.index_select(0, index.to(w.device))
-
-    rows.rows_index = (q_module, index)
-    return rows
-
-
-def _weight_of(q_module: nn.Module) -> torch.Tensor | None:
-    """The weight of an nn.Linear or Conv1D in nn.Linear orientation [out, in] (a view)."""
-    if isinstance(q_module, nn.Linear):
-        return q_module.weight
-    if type(q_module).__name__ == "Conv1D":
-        return q_module.weight.T  # Conv1D: y = x @ W + b with W [in, out]
-    return None
 
 
 # Attribute names under which wrappers hold the module they wrap: torch.compile's
@@ -265,19 +177,14 @@ def canonical_name(model: nn.Module, name: str) -> str:
     return ".".join(kept)
 
 
-def _canonical(model: nn.Module, site: AttentionSite) -> AttentionSite:
-    name = canonical_name(model, site.name)
-    return site if name == site.name else dataclasses.replace(site, name=name)
-
-
-def _get_submodule(root: nn.Module, path: str) -> nn.Module | None:
+def get_submodule(root: nn.Module, path: str) -> nn.Module | None:
     try:
         return root.get_submodule(path)
     except AttributeError:
         return None
 
 
-def _as_slice(value: Any, where: str) -> tuple[int, int]:
+def parse_slice(value: Any, where: str) -> tuple[int, int]:
     ok = (isinstance(value, (tuple, list)) and len(value) == 2
           and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
           and 0 <= value[0] < value[1])
@@ -287,7 +194,7 @@ def _as_slice(value: Any, where: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def _as_index(value: Any, size: int, where: str) -> torch.Tensor:
+def parse_index(value: Any, size: int, where: str) -> torch.Tensor:
     """A channel index as a 1-D int64 CPU tensor of `size` distinct non-negative ints."""
     try:
         index = torch.as_tensor(value).to("cpu")
@@ -298,7 +205,7 @@ def _as_index(value: Any, size: int, where: str) -> torch.Tensor:
             or index.numel() != size or (index.numel() and int(index.min()) < 0) \
             or torch.unique(index).numel() != index.numel():
         raise ValueError(f"{where}: a channel index must hold {size} distinct non-negative "
-                         f"ints (heads × head_dim, head-major), got {_describe(value)}")
+                         f"ints (heads × head_dim, head-major), got {describe(value)}")
     return index.long()
 
 
@@ -312,22 +219,7 @@ def q_rows(site: AttentionSite, t: torch.Tensor) -> torch.Tensor:
     return t.index_select(0, site.q_index.to(t.device))
 
 
-def _check_disjoint(sites: list[AttentionSite]) -> None:
-    """No site may contain another (or repeat it): one attention call would count twice.
-
-    Sharing a helper module (a rotary table, say) between sites is fine.
-    """
-    for i, site in enumerate(sites):
-        inner = {id(m) for m in site.module.modules()}
-        for other in sites[i + 1:]:
-            if id(other.module) in inner or id(site.module) in set(map(id, other.module.modules())):
-                raise ValueError(
-                    f"sites {site.name!r} and {other.name!r} overlap (one contains the other "
-                    "or they are the same module); list each attention module once"
-                )
-
-
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor {list(value.shape)}"
     return f"a {type(value).__name__}"

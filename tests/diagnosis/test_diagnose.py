@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from examples.gpt import GPT, GPTConfig
 from flashwatch import diagnose
 from flashwatch.diagnosis.measure import wq_rows
-from flashwatch.sites.site import find_sites
+from flashwatch.sites import find_sites
 
 
 class RoundedFlash(torch.autograd.Function):

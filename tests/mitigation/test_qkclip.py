@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import flashwatch as fw
 from flashwatch.mitigation import qkclip
-from flashwatch.sites.site import find_sites
+from flashwatch.sites import find_sites
 from standins import LlamaConfig, TinyGPT2, TinyLlama
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import flashwatch as fw
 from flashwatch.mitigation import qkclip
-from flashwatch.sites.site import find_sites
+from flashwatch.sites import find_sites
 from standins import hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")

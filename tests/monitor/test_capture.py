@@ -212,8 +212,8 @@ def test_watchconfig_beta_and_eps_win_over_the_callers_inside_a_watched_layer(
                             eps=1e-2)
 
     seen = []
-    real = fw_dispatch._dispatch
-    monkeypatch.setattr(fw_dispatch, "_dispatch", lambda *a, **kw: (
+    real = fw_dispatch.call_kernel
+    monkeypatch.setattr(fw_dispatch, "call_kernel", lambda *a, **kw: (
         seen.append((kw["beta"], kw["eps"])), real(*a, **kw))[1])
     model = nn.Sequential(SmallAttention(calls_with_beta))
     x = torch.randn(2, 8, 32)

@@ -94,13 +94,13 @@ def test_modes_reach_compiled_code_and_changes_do_not_recompile(monkeypatch):
     compiled = torch.compile(model, backend=counter)
     compile_step(compiled, w)
     calls = []
-    real = fw_dispatch._dispatch
+    real = fw_dispatch.call_kernel
 
     def spy(*a, **kw):
         calls.append(kw["head_modes"].clone())
         return real(*a, **kw)
 
-    monkeypatch.setattr(fw_dispatch, "_dispatch", spy)
+    monkeypatch.setattr(fw_dispatch, "call_kernel", spy)
     compile_step(compiled, w)
     assert calls == []  # unrouted, unmonitored: SDPA as compiled
     w.set_head_modes("transformer.h.0.attn", [Mode.BETA, Mode.STANDARD])

@@ -13,7 +13,7 @@ from torch import nn
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch.parallel import sharding as fw_dist
-from flashwatch.sites.site import find_sites
+from flashwatch.sites import find_sites
 
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import flashwatch as fw
+from flashwatch.sites import find_sites
 from flashwatch.sites.eager_attention import no_sdpa_reason
-from flashwatch.sites.site import find_sites
 from standins import TinyLlama, hf_tiny
 
 

@@ -8,8 +8,8 @@ import torch
 from _helpers import capture_q_and_x
 from torch import nn
 
+from flashwatch.sites import AttentionSite, find_sites
 from flashwatch.sites.explicit import make_site
-from flashwatch.sites.site import AttentionSite, find_sites
 from standins import TinyViTish
 
 

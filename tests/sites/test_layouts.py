@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import flashwatch as fw
+from flashwatch.sites import find_sites, make_site
 from flashwatch.sites.layouts import LAYOUTS, QCheck, k_index, q_index
-from flashwatch.sites.site import find_sites, make_site
 from standins import hf_inputs, hf_tiny
 
 FUSED = ["gpt_neox", "falcon", "falcon_mq", "falcon_new", "phi3", "qwen3_next"]

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from examples.gpt import GPT, GPTConfig
+from flashwatch.sites import AttentionSite, find_sites
 from flashwatch.sites.orientation import check_orientation
-from flashwatch.sites.site import AttentionSite, find_sites
 from standins import TinyGPT2, TinyViTish
 
 

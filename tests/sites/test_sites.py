@@ -9,7 +9,7 @@ from _helpers import capture_q_and_x
 from torch import nn
 
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
-from flashwatch.sites.site import find_sites
+from flashwatch.sites import find_sites
 from standins import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TinyViTish
 
 GPT_CFG = GPTConfig(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32, bias=True)

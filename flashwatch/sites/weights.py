@@ -1,0 +1,87 @@
+"""Reading a q_module's weight: W^Q rows as getters that see every optimizer step
+(contiguous runs as views, interleaved layouts gathered), sharded weights gathered, and
+q_module called as the checks need it (autocast off, DTensor parameters gathered).
+
+The lowest module of flashwatch/sites/: the site, the layouts and the checks read
+weights through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+def autocast_off(device_type: str):
+    """Autocast off, so q_module runs in its weights' dtype even inside a user's autocast."""
+    available = getattr(torch.amp, "is_autocast_available", lambda d: d in ("cpu", "cuda"))
+    if available(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value as a plain tensor (a collective); other tensors as they are."""
+    return t.full_tensor() if callable(getattr(t, "full_tensor", None)) else t
+
+
+def plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """module's forward, on gathered copies of its DTensor parameters if it has any:
+    outside its FSDP2 forward a sharded module cannot mix them with a plain input."""
+    params = dict(module.named_parameters())
+    if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
+        return module
+    plain = {n: gathered(p.detach()) for n, p in params.items()}
+    return lambda x: torch.func.functional_call(module, plain, (x,))
+
+
+def weight_of(q_module: nn.Module) -> torch.Tensor | None:
+    """The weight of an nn.Linear or Conv1D in nn.Linear orientation [out, in] (a view)."""
+    if isinstance(q_module, nn.Linear):
+        return q_module.weight
+    if type(q_module).__name__ == "Conv1D":
+        return q_module.weight.T  # Conv1D: y = x @ W + b with W [in, out]
+    return None
+
+
+def as_slice(index: torch.Tensor) -> tuple[int, int] | None:
+    """(start, stop) when `index` is a contiguous ascending run, else None."""
+    if index.numel() == 0:
+        return None
+    start = int(index[0])
+    return (start, start + index.numel()) if torch.equal(
+        index, torch.arange(start, start + index.numel())) else None
+
+
+def rows_of(q_module: nn.Module, start: int, stop: int) -> Callable[[], torch.Tensor]:
+    """Getter for output channels [start, stop) of a Linear/Conv1D weight as [out, in].
+
+    It reads `q_module.weight` on every call, so a replaced Parameter is seen too. The
+    getter carries `rows_of = (q_module, start, stop)`, so the spectral norm of a
+    sharded weight can work on each rank's own rows (flashwatch/parallel/sharding.py).
+    """
+    def rows() -> torch.Tensor:
+        return weight_of(q_module)[start:stop]
+
+    rows.rows_of = (q_module, start, stop)
+    return rows
+
+
+def rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`rows_of` for output channels `index` ([n] int64): a contiguous run keeps the
+    view (and `rows_of`); an interleaved one is gathered (a copy) on every call, from
+    the whole weight when it is sharded (a DTensor: a collective, in the same order on
+    every rank as every other read of W^Q)."""
+    run = as_slice(index)
+    if run is not None:
+        return rows_of(q_module, *run)
+
+    def rows() -> torch.Tensor:
+        w = gathered(weight_of(q_module))
+        return w.index_select(0, index.to(w.device))
+
+    rows.rows_index = (q_module, index)
+    return rows
