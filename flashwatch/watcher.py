@@ -35,10 +35,11 @@ from flashwatch.monitor.capture import Cadence, Recorder
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.monitored_step import StepPipeline
-from flashwatch.parallel import reduce
+from flashwatch.parallel import layout, reduce, sharding
+from flashwatch.parallel.layout import HeadTable
 from flashwatch.report.records import StepReport
 from flashwatch.report.sinks import Sink
-from flashwatch.sites import find_sites
+from flashwatch.sites import NoAttentionLayers, find_sites
 from flashwatch.sites.layouts import QCheck
 
 log = logging.getLogger("flashwatch")
@@ -46,9 +47,13 @@ log = logging.getLogger("flashwatch")
 STATE_VERSION = 1
 
 
-def _layer_states(sites, sketch_dim: int, seed: int) -> list[LayerState]:
-    out, offset = [], 0
-    for i, site in enumerate(sites):
+def _layer_states(sites, sketch_dim: int, seed: int, table: HeadTable) -> list[LayerState]:
+    """One state per local site, placed at its layer's offset in the global head table;
+    its sketches seeded by the layer's table index, so replicas of a layer draw the same
+    ones and pipeline stages draw different ones."""
+    out = []
+    for site in sites:
+        offset, i = table.offset(site.name), table.index(site.name)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         k = sketch_dim  # Gaussian sketches scaled so z and y keep the norms of X and PK
         st = LayerState(site=site, offset=offset,
@@ -61,8 +66,21 @@ def _layer_states(sites, sketch_dim: int, seed: int) -> list[LayerState]:
             st.q_check = QCheck(site)
         st.reset()
         out.append(st)
-        offset += site.num_heads
     return out
+
+
+def _local_sites(model: nn.Module, sites) -> list:
+    """find_sites, except that a rank of a distributed job whose part of the model has no
+    attention layer (a pipeline stage with only the embeddings or the LM head) holds
+    none and still joins the monitor's collectives, so no other rank waits for it."""
+    try:
+        return find_sites(model, sites)
+    except NoAttentionLayers:
+        if sites is not None or sharding.world_size() == 1:
+            raise
+        log.info("flashwatch: this rank's model holds no attention layer; it joins the "
+                 "monitor's collectives and reports the other ranks' layers")
+        return []
 
 
 class Watcher:
@@ -80,19 +98,25 @@ class Watcher:
         for s in self.sinks:
             if not callable(getattr(s, "write", None)):
                 raise TypeError(f"sink {s!r} has no write(report) method")
-        self.sites = find_sites(model, sites)
-        self._states = _layer_states(self.sites, cfg.sketch_dim, cfg.seed)
-        self._step = 0  # optimizer steps completed = index of the step being accumulated
-        self._cadence = Cadence()
-        self._ledger = ErrorLedger()
-        self._recorder = Recorder(self, cfg, self._states, self._cadence, self._ledger)
+        self.sites = _local_sites(model, sites)
         # The monitor's own process group, created here on every rank (a collective):
         # nothing of ours can pair with a training collective (flashwatch/parallel/reduce.py).
         monitor = reduce.MonitorGroup(cfg.collective_timeout_s)
-        monitor.check_same(heads=sum(s.num_heads for s in self.sites), layers=len(self.sites),
-                           sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
+        monitor.check_same(sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
+        # Every rank's layers by name: one table of global heads (flashwatch/parallel/layout.py)
+        self.head_table = layout.gather(monitor, [(s.name, s.num_heads) for s in self.sites])
+        if not self.head_table.layers:
+            raise NoAttentionLayers("flashwatch.watch: no rank of the job holds an attention "
+                                    "layer flashwatch recognises; pass sites=... (see "
+                                    "flashwatch.make_site)")
+        self._states = _layer_states(self.sites, cfg.sketch_dim, cfg.seed, self.head_table)
+        self._step = 0  # optimizer steps completed = index of the step being accumulated
+        self._cadence = Cadence()
+        self._ledger = ErrorLedger()
+        self._recorder = Recorder(self, cfg, self._states, self._cadence, self._ledger,
+                                  n_heads=self.head_table.n)
         self._pipeline = StepPipeline(cfg, self._states, self._recorder, self._ledger,
-                                      monitor, self._set_modes)
+                                      monitor, self._set_modes, self.head_table)
         self._attachment = self._recorder.attachment = Attachment(self._recorder)
         for st in self._states:
             st.compiled.key = traced.register(self._recorder, st)

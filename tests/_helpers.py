@@ -467,3 +467,15 @@ def capture_q_and_x(model, sites, monkeypatch, idx):
         for h in handles:
             h.remove()
     return xs, qs
+
+
+def gloo_ranks(worker, world: int, out, timeout_s: float = 900) -> list:
+    """Run worker(rank, world, init_file, out_dir) in `world` spawned processes that
+    each torch.save their results to out/rank<r>.pt; returns what each rank saved."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(worker, args=(world, str(out / "init"), str(out)),
+                             nprocs=world, join=False, start_method="spawn")
+    while not ctx.join(timeout=timeout_s):
+        pass
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -78,14 +78,18 @@ class QKClip:
     confirms each applied clip on the next measurement, counts the confirmed clips per
     head and logs them as Events of kind "qk_clip"."""
 
-    def __init__(self, config: WatchConfig, sites: list[AttentionSite]) -> None:
+    def __init__(self, config: WatchConfig, sites: list[AttentionSite],
+                 offsets: list[int] | None = None, n_heads: int | None = None) -> None:
+        """sites: the layers this rank holds; offsets: each one's head 0 in the per-head
+        arrays of n_heads heads (the job's head table; default: these sites in order)."""
         if config.qk_clip_threshold is not None:
             for site in sites:
                 check_site(site)
         self.config = config
         self.sites = list(sites)
-        self.offsets = [sum(s.num_heads for s in self.sites[:i]) for i in range(len(sites))]
-        n = sum(s.num_heads for s in self.sites)
+        self.offsets = (list(offsets) if offsets is not None else
+                        [sum(s.num_heads for s in self.sites[:i]) for i in range(len(sites))])
+        n = sum(s.num_heads for s in self.sites) if n_heads is None else n_heads
         self.clips = torch.zeros(n, dtype=torch.int64)  # confirmed clips per head
         self.pending = torch.full((n,), math.nan, dtype=torch.float64)  # m0 of a clip
         self.pending_step = torch.full((n,), -1, dtype=torch.int64)

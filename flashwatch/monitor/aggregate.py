@@ -31,13 +31,18 @@ SUM_FIELDS = ("tied", "rows", "delta_sum", "grad_rows", "delta_sq", "delta_rows"
 # averaged are 0/1 flags: "any rank"; so is refused (the layer's W^Q slice failed
 # layouts.QCheck: its norm and share are not the layer's).
 MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "refused")
+# Also maxed, for the heads a rank holds (-inf elsewhere): the modes it has set and the
+# modes its kernel ran (so every rank knows the modes of heads held elsewhere, e.g. by
+# another pipeline stage), and 1 where the user set a head's mode by hand since the
+# last exchange (every rank restarts that head's signals and policy).
+MODE_FIELDS = ("mode", "ran", "user_set")
 
 
 def shapes(n_heads: int, k: int) -> dict[str, tuple]:
     """The exchange layout of a watcher with n_heads heads and sketch_dim k."""
     out = {f: (n_heads,) for f in SUM_FIELDS}
     out["G"] = (n_heads, k, k)
-    out.update({f"max:{f}": (n_heads,) for f in MAX_FIELDS})
+    out.update({f"max:{f}": (n_heads,) for f in MAX_FIELDS + MODE_FIELDS})
     return out
 
 
@@ -69,8 +74,10 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
     or one for all) left where they are, device or host: nothing here moves data.
     totals: probe.totals of the step; sigma: each layer's W^Q spectral norms [H] (NaN
     where unknown)."""
+    none = [torch.zeros(0, dtype=torch.float64)]  # a rank that holds no layer
+
     def per_layer(name):
-        return [getattr(b, name).double() for b in layers]
+        return [getattr(b, name).double() for b in layers] or none
 
     def per_head(f):  # a host count per layer, repeated over its heads
         return [torch.tensor([float(f(b)) for b in layers for _ in range(b.num_heads)],
@@ -79,7 +86,7 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
     raw = {f"probe_{k}": [v] for k, v in totals.items()}
     raw.update(kernel_tied=per_layer("tied_rows"), kernel_rows=per_layer("rows"),
                kernel_max=per_layer("max_logit"), guarded=per_layer("guarded_rows"),
-               wq_grad_sq=per_layer("wq_grad_sq"), sigma=[s.double() for s in sigma],
+               wq_grad_sq=per_layer("wq_grad_sq"), sigma=[s.double() for s in sigma] or none,
                exact=per_head(lambda b: b.exact), probe_rows=per_head(lambda b: b.probe_rows),
                grad_rows=per_head(lambda b: b.grad_rows),
                delta_rows=per_head(lambda b: b.delta_rows),
@@ -113,10 +120,32 @@ def to_host(pieces: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
             for k, parts in pieces.items()}
 
 
+# probe.totals' keys in `gather`'s output: kept over the whole head table by the probe
+PROBE_TOTALS = tuple(f"probe_{k}" for k in ("tied", "row_max", "G", "delta_sum", "delta_sq",
+                                             "share_num"))
+# Fills of the heads a rank does not hold (another pipeline stage's): nothing to add or
+# to win a max. The probe's totals are kept over the whole table already.
+_FILL = {"kernel_max": -math.inf, "sigma": math.nan}
+
+
+def place(raw: dict[str, torch.Tensor], positions: torch.Tensor, n: int
+          ) -> dict[str, torch.Tensor]:
+    """The per-layer pieces of `raw` (this rank's heads, in its layers' order) placed at
+    their global head indices `positions` of an [n] table; fills elsewhere."""
+    out = {}
+    for k, t in raw.items():
+        if k in PROBE_TOTALS:
+            out[k] = t  # the probe's totals span the table already
+            continue
+        full = torch.full((n, *t.shape[1:]), _FILL.get(k, 0.0), dtype=torch.float64)
+        out[k] = full.index_copy_(0, positions, t)
+    return out
+
+
 def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's part of the exchange (host tensors from `to_host(gather(...))`), named
-    as `shapes` names it without the "max:" prefix. Tie and row counts come from the
-    kernel where it ran (every row), else from the probe's sampled rows."""
+    """This rank's part of the exchange (host tensors from `place(to_host(gather(...)))`),
+    named as `shapes` names it without the "max:" prefix. Tie and row counts come from
+    the kernel where it ran (every row), else from the probe's sampled rows."""
     exact = raw["exact"] > 0
     return dict(
         tied=torch.where(exact, raw["kernel_tied"], raw["probe_tied"]),
@@ -151,15 +180,17 @@ class HeadArrays:
 
 
 def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
-           world: int) -> HeadArrays:
-    """Reduced sums and maxes → HeadArrays. Sums over rows keep their size whatever the
-    world size W: each rank's dO is that of its own mean loss, W times its rows' share of
-    the averaged gradient DDP and FSDP step on (÷W); sampled rows: every rank samples
-    rows_per_head rows, W times one process's count (÷W again: a mean over ranks). The
-    sign statistics get the sums ÷W only (Σc²: ÷W²): scale-free, with every rank's rows."""
+           holders) -> HeadArrays:
+    """Reduced sums and maxes → HeadArrays. holders: how many ranks hold each head (W,
+    an int or [n]: the world size under DDP and FSDP2, 1 for a pipeline stage's own
+    layers). Sums over rows keep their size whatever W: each replica's dO is that of its
+    own mean loss, W times its rows' share of the averaged gradient DDP and FSDP step on
+    (÷W); sampled rows: every replica samples rows_per_head rows, W times one process's
+    count (÷W again: a mean over replicas). The sign statistics get the sums ÷W only
+    (Σc²: ÷W²): scale-free, with every replica's rows."""
     s = {k: v.numpy() for k, v in sums.items()}
     m = {k: v.numpy() for k, v in maxes.items()}
-    W = float(world)
+    W = np.asarray(holders, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN where it is dropped
         sampled, averaged = m["sampled"] > 0, m["averaged"] > 0
         row_sampled = s["delta_missed"] > 0  # Σc from sampled rows (not every row)

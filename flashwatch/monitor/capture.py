@@ -54,8 +54,8 @@ class Recorder(ProbeRecorder):
     (flashwatch/monitor/probing.py)."""
 
     def __init__(self, owner, config: WatchConfig, states: list[LayerState],
-                 cadence: Cadence, ledger: ErrorLedger) -> None:
-        super().__init__(config, states, cadence, ledger)
+                 cadence: Cadence, ledger: ErrorLedger, n_heads: int | None = None) -> None:
+        super().__init__(config, states, cadence, ledger, n_heads)
         self.owner = owner  # the Watcher: kept alive as long as its model holds us
         self.attachment = None  # set by the Watcher (flashwatch/monitor/attach.py)
 

@@ -34,7 +34,8 @@ from flashwatch.monitor import aggregate, probe
 from flashwatch.monitor.capture import Recorder
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
-from flashwatch.parallel import reduce
+from flashwatch.parallel import layout, reduce
+from flashwatch.parallel.layout import HeadTable
 from flashwatch.parallel.sharding import RemoteFailure, spectral_norms
 from flashwatch.report import metrics
 from flashwatch.report.records import Event, HeadRecord, StepReport
@@ -68,13 +69,27 @@ class StepPipeline:
     QK-clip, events), which the Watcher saves and restores."""
 
     def __init__(self, config: WatchConfig, states: list[LayerState], recorder: Recorder,
-                 ledger: ErrorLedger, monitor: reduce.MonitorGroup, set_modes) -> None:
+                 ledger: ErrorLedger, monitor: reduce.MonitorGroup, set_modes,
+                 table: HeadTable | None = None) -> None:
         self.config, self.states, self.recorder = config, states, recorder
-        self.ledger, self.monitor, self.set_modes = ledger, monitor, set_modes
-        self.heads = [(st.site.name, h) for st in states for h in range(st.site.num_heads)]
-        self.signals = HeadSignals(len(self.heads), config.sketch_dim, config.window)
+        self.ledger, self.monitor, self._set_local = ledger, monitor, set_modes
+        # Every global head of the job by (layer name, head), the same on every rank; this
+        # rank's layers sit at their offsets in it (flashwatch/parallel/layout.py).
+        self.table = table or layout.build([[(st.site.name, st.site.num_heads)
+                                             for st in states]])
+        self.heads = self.table.keys
+        n = len(self.heads)
+        self.holders = self.table.head_holders().numpy()
+        self.positions = (torch.cat([st.heads for st in states]) if states
+                          else torch.zeros(0, dtype=torch.int64))
+        self.held = torch.zeros(n, dtype=torch.bool)
+        self.held[self.positions] = True
+        self.modes = torch.zeros(n, dtype=torch.int64)  # every head's, held here or not
+        self.user_set = torch.zeros(n, dtype=torch.bool)  # set by hand since the exchange
+        self.signals = HeadSignals(n, config.sketch_dim, config.window)
         self.policy = Policy(config, self.heads)
-        self.qk_clip = QKClip(config, [st.site for st in states])
+        self.qk_clip = QKClip(config, [st.site for st in states],
+                              offsets=[st.offset for st in states], n_heads=n)
         self.events: list = []  # every mode change and QK-clip since the start
         self.unreported: list = []  # hand-set mode changes not yet in a StepReport
         self.confirmed: list = []  # mode events seen run since the last report
@@ -98,8 +113,21 @@ class StepPipeline:
                     st.pending.append(event)  # applied once a report sees it run
         self.set_modes(st, new)
         if changed.any():
+            self.user_set |= changed  # other ranks restart these heads at the exchange
             self.signals.reset_window(changed)
             self.policy.restart(changed)
+
+    def set_modes(self, st: LayerState, new: torch.Tensor) -> None:
+        self._set_local(st, new)
+        self.modes[st.offset:st.offset + st.site.num_heads] = new.long()
+
+    def global_modes(self) -> torch.Tensor:
+        """[n] int64: the modes of every head, this rank's own as its layers hold them
+        (a loaded state sets them there), the others' as the last exchange told."""
+        modes = self.modes.clone()
+        for st in self.states:
+            modes[st.offset:st.offset + st.site.num_heads] = st.modes.long()
+        return modes
 
     def run(self, step: int) -> StepReport:
         """A monitored step's report. Every rank issues the same collectives in the same
@@ -115,17 +143,57 @@ class StepPipeline:
         sigma = self._spectral()  # every rank: sharded W^Q norms are collectives
         if layers is not None:
             try:
-                local = aggregate.contribution(
-                    aggregate.to_host(aggregate.gather(layers, totals, sigma)))
+                local = aggregate.contribution(aggregate.place(
+                    aggregate.to_host(aggregate.gather(layers, totals, sigma)),
+                    self.positions, len(self.heads)))
+                local.update(self._held_modes(not_applied))
             except Exception as e:
                 self.ledger.error("step totals", e)
         self.recorder.clear_step()
         red = self._exchange(local, step)
+        ran = self._ran(not_applied)
+        if red is not None:
+            try:
+                learned = self._learn_modes(red.maxes)
+                ran = torch.where(self.held, ran, learned)
+            except Exception as e:
+                self.ledger.error("modes of other ranks", e)
         decided = self._decide_together(step, red)
         if decided.arrays is None:
             raise RuntimeError(f"no numbers to report at step {step}: "
                                f"{self.monitor.broken or 'see the errors logged above'}")
-        return self._report(step, decided, not_applied, withdrawn)
+        return self._report(step, decided, ran, not_applied, withdrawn)
+
+    def _held_modes(self, not_applied: dict) -> dict[str, torch.Tensor]:
+        """This rank's part of the mode fields of the exchange: the modes it set and ran
+        and its hand-set flags at the heads it holds, -inf elsewhere."""
+        ran = self._ran(not_applied).double()
+        fill = torch.full((len(self.heads),), -math.inf, dtype=torch.float64)
+        return {k: torch.where(self.held, v, fill) for k, v in (
+            ("mode", self.global_modes().double()), ("ran", ran),
+            ("user_set", self.user_set.double()))}
+
+    def _ran(self, not_applied: dict) -> torch.Tensor:
+        """What the kernel runs at each head: not a layer's modes it cannot apply."""
+        ran = self.global_modes()
+        for st in self.states:
+            if st.site.name in not_applied:
+                ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
+        return ran
+
+    def _learn_modes(self, maxes: dict[str, torch.Tensor]) -> torch.Tensor:
+        """After the exchange: the modes of heads held elsewhere, and the restart of heads
+        set by hand on another rank (as user_change did where they were set). Returns the
+        modes each head ran, for the report (-1: unknown)."""
+        held_elsewhere = ~self.held & torch.isfinite(maxes["mode"])
+        self.modes[held_elsewhere] = maxes["mode"][held_elsewhere].long()
+        restart = ~self.held & (maxes["user_set"] > 0)
+        if restart.any():
+            self.signals.reset_window(restart)
+            self.policy.restart(restart)
+        self.user_set.zero_()
+        return torch.where(torch.isfinite(maxes["ran"]), maxes["ran"],
+                           torch.full_like(maxes["ran"], -1.0)).long()
 
     def _judge_modes(self) -> tuple[dict, list]:
         """Which layers' non-STANDARD modes did not run since the last report, and the
@@ -235,15 +303,14 @@ class StepPipeline:
         failed, clip_plan = False, None
         try:
             if red is not None:
-                arrays = aggregate.finish(red.sums, red.maxes, self.monitor.world)
+                arrays = aggregate.finish(red.sums, red.maxes, self.holders)
                 if red.in_step and not red.failed_ranks:
                     values, decision = self._decide(step, arrays)
                     clip_plan = self._qk_clip_plan(arrays)
         except Exception as e:
             self.ledger.error("decide", e)
             failed, decision = True, None
-        modes = (decision.modes if decision is not None else
-                 torch.cat([st.modes for st in self.states]).long())
+        modes = decision.modes if decision is not None else self.global_modes()
         agreed = red is None or self._vote_agrees(failed, modes)
         if not agreed and self.monitor.rank != self.source:
             decision = None  # this rank takes the source rank's decision instead
@@ -259,7 +326,7 @@ class StepPipeline:
         t = torch.from_numpy
         values = self.signals.update(t(a.G), t(a.sigma), t(a.delta_sum_w), t(a.delta_sq_w),
                                       t(a.share), share_weight=t(a.wq_grad_sq))
-        modes = torch.cat([st.modes for st in self.states]).long()
+        modes = self.global_modes()
         decision = self.policy.decide(step, t(a.tie_ratio), values, modes,
                                        max_logit=t(a.max_logit), share=t(a.share))
         return values, decision
@@ -299,21 +366,25 @@ class StepPipeline:
         box = [None]
         if mon.rank == self.source:
             box = [dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
-                        modes=[st.modes.clone() for st in self.states])]
+                        modes=self.global_modes())]
         try:
             dist.broadcast_object_list(box, src=self.source, group=mon.group)
             if mon.rank != self.source:
                 self.signals.load_state_dict(box[0]["signals"])
                 self.policy.load_state_dict(box[0]["policy"])
-                for st, m in zip(self.states, box[0]["modes"], strict=True):
-                    self.set_modes(st, m.clone().to(torch.int32))
+                self._set_all(box[0]["modes"])
         except Exception as e:
             self.ledger.error("state broadcast", e)
 
-    def _apply_decision(self, decision) -> None:
-        new_modes = decision.modes.to(torch.int32)
+    def _set_all(self, modes: torch.Tensor) -> None:
+        """Every head's modes [n]: this rank's layers run theirs."""
+        self.modes = modes.long().clone()
+        new_modes = modes.to(torch.int32)
         for st in self.states:
             self.set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
+
+    def _apply_decision(self, decision) -> None:
+        self._set_all(decision.modes)
         by_name = {st.site.name: st for st in self.states}
         for e in decision.events:
             if e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD:
@@ -322,11 +393,11 @@ class StepPipeline:
             self.signals.reset_window(decision.reset_window)
         self.events.extend(decision.events)
 
-    def _report(self, step, decided: Decided, not_applied, withdrawn) -> StepReport:
+    def _report(self, step, decided: Decided, ran, not_applied, withdrawn) -> StepReport:
         a, values, decision = decided.arrays, decided.values, decided.decision
         n = len(self.heads)
         nan = np.full(n, np.nan)
-        modes = torch.cat([st.modes for st in self.states]).long()
+        modes = self.global_modes()
         cols = dict(
             tied_rowmax_ratio=a.tie_ratio, attention_max_logit=a.max_logit,
             delta_error_sum=a.delta_sum, delta_error_rows=a.delta_rows,
@@ -340,10 +411,7 @@ class StepPipeline:
         # benchmarks/bench_scale.py).
         columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v))
                    for k, v in cols.items()}
-        ran = modes.clone()  # what the kernel runs: not a layer's modes it cannot apply
-        for st in self.states:
-            if st.site.name in not_applied:
-                ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
+        ran = torch.where(ran < 0, modes, ran)  # a head no rank reported ran: as set
         recommended = (decision.recommended if decision is not None else modes).tolist()
         flagged = (decision.flagged if decision is not None
                    else torch.zeros(n, dtype=torch.bool)).tolist()
@@ -377,7 +445,7 @@ class StepPipeline:
         same factors (flashwatch/mitigation/qkclip.py)."""
         if max_logit is None:
             return []
-        modes = torch.cat([st.modes for st in self.states]).long()
+        modes = self.global_modes()
         stops = []
         for st in self.states:  # a W^Q slice refused on any rank: stop clipping there
             h = slice(st.offset, st.offset + st.site.num_heads)

@@ -45,9 +45,11 @@ class ProbeRecorder:
     generator and the step's reduced totals."""
 
     def __init__(self, config: WatchConfig, states: list[LayerState], cadence,
-                 ledger: ErrorLedger) -> None:
+                 ledger: ErrorLedger, n_heads: int | None = None) -> None:
         self.config, self.states, self.cadence, self.ledger = config, states, cadence, ledger
-        self.n_heads = sum(st.site.num_heads for st in states)
+        # the per-head totals span the global head table (flashwatch/parallel/layout.py);
+        # None: this rank's layers are all of it
+        self.n_heads = sum(st.site.num_heads for st in states) if n_heads is None else n_heads
         self.gen = torch.Generator().manual_seed(config.seed)
         # probe.totals of the step's samples reduced so far (`_sample_done`), and how many
         # samples got their c since

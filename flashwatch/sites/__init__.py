@@ -6,8 +6,9 @@ its q_module (orientation.py), and layers that never call SDPA (eager_attention.
 May import: flashwatch.kernels, flashwatch._checks.
 """
 
+from flashwatch.sites.discovery import NoAttentionLayers
 from flashwatch.sites.explicit import make_site
 from flashwatch.sites.find import find_sites
 from flashwatch.sites.site import AttentionSite
 
-__all__ = ["AttentionSite", "find_sites", "make_site"]
+__all__ = ["AttentionSite", "NoAttentionLayers", "find_sites", "make_site"]

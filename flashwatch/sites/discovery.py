@@ -21,8 +21,15 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head")
 HEAD_DIM_ATTRS = ("head_dim",)
 # Direct children that are separate Q, K, V projections: most HF models, BERT/RoBERTa/ViT
-# (query, key, value), T5 (q, k, v).
-QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+# (query, key, value), T5 (q, k, v), torchtitan's Llama (wq, wk, wv with n_heads,
+# n_kv_heads, head_dim on the module).
+QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"),
+             ("wq", "wk", "wv"))
+
+
+class NoAttentionLayers(ValueError):
+    """Discovery found no attention layer in the model (or in this rank's part of it: a
+    pipeline stage that holds only embeddings or the LM head)."""
 
 
 def discover(model: nn.Module) -> list[AttentionSite]:
@@ -39,7 +46,7 @@ def discover(model: nn.Module) -> list[AttentionSite]:
             found.append(site)
             claimed.update(id(m) for m in module.modules())
     if not found:
-        raise ValueError(_nothing_found(model, searched, rejected))
+        raise NoAttentionLayers(_nothing_found(model, searched, rejected))
     return found
 
 

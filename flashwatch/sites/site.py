@@ -11,8 +11,9 @@ the module whose input is X, the input of the Q projection.
 - "gpt2_conv1d": a child `c_attn` of class `Conv1D` (transformers' GPT-2), whose weight
   is [C, 3C] and computes y = x @ W + b, i.e. transposed relative to nn.Linear.
 - "hf": separate Q, K, V nn.Linear children: `q_proj`/`k_proj`/`v_proj` (Llama, Mistral,
-  Qwen, OPT, BART, ...), `query`/`key`/`value` (BERT, RoBERTa), `q`/`k`/`v` (T5); heads
-  from the module or its `config`, grouped-query attention allowed.
+  Qwen, OPT, BART, ...), `query`/`key`/`value` (BERT, RoBERTa), `q`/`k`/`v` (T5),
+  `wq`/`wk`/`wv` (torchtitan's Llama); heads from the module or its `config`,
+  grouped-query attention allowed.
 - "gated_q": q_proj with 2·H·head_dim outputs, [q_h | gate_h] per head (Qwen3-Next).
 - "fused_qkv": one Linear for q, k and v: `query_key_value` of GPT-NeoX/Pythia and Bloom
   (per head [q_h | k_h | v_h]) or Falcon (its three layouts), `qkv_proj` (Phi-3:

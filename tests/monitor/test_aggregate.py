@@ -184,3 +184,26 @@ def test_guarded_rows_reach_the_report_exactly():
         want = (tied & (m.abs() > 60.0)).sum((0, 2))
     assert 0 < want[0] < tied[:, 0].sum()
     assert [h.guarded_rows for h in report.heads] == [int(want[0]), 0]
+
+
+def test_finish_scales_each_head_by_its_own_replica_count():
+    """Under pipeline parallelism a stage's heads have 1 holder, replicated ones W: the
+    same summed contribution is a mean over the ranks that hold the head, never over the
+    world (a 2-stage job would halve every stage's Σc and G)."""
+    from flashwatch.monitor import aggregate
+
+    n, k = 3, 2
+    shapes = aggregate.shapes(n, k)
+    sums = {key: torch.full(s, 8.0, dtype=torch.float64) for key, s in shapes.items()
+            if not key.startswith("max:")}
+    sums["delta_missed"] = torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)  # head 2 sampled
+    maxes = {key[4:]: torch.zeros(s, dtype=torch.float64) for key, s in shapes.items()
+             if key.startswith("max:")}
+    holders = [1, 2, 4]
+    a = aggregate.finish(sums, maxes, holders)
+    assert a.delta_sum_w.tolist() == [8.0, 4.0, 2.0]  # Σc ÷ holders
+    assert a.delta_sq_w.tolist() == [8.0, 2.0, 0.5]  # Σc² ÷ holders²
+    assert a.delta_sum.tolist() == [8.0, 4.0, 8.0 / 16]  # sampled rows: ÷ holders² too
+    assert a.G[:, 0, 0].tolist() == [8.0, 4.0, 2.0]
+    same = aggregate.finish(sums, maxes, 2)  # one world size: every head alike
+    assert same.delta_sum_w.tolist() == [4.0, 4.0, 4.0]

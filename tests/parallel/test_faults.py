@@ -20,6 +20,7 @@ import os
 
 import pytest
 import torch
+from _helpers import gloo_ranks
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
@@ -212,14 +213,7 @@ def _worker(rank, world, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("faults")
-    ctx = mp.start_processes(_worker, args=(2, str(out / "init"), str(out)), nprocs=2,
-                             join=False, start_method="spawn")
-    while not ctx.join(timeout=900):
-        pass
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return gloo_ranks(_worker, 2, tmp_path_factory.mktemp("faults"))
 
 
 @pytest.mark.parametrize("kind,scenario",

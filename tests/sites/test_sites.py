@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from _helpers import capture_q_and_x
 from torch import nn
 
+import flashwatch as fw
 from examples.gpt import GPT, CausalSelfAttention, GPTConfig
 from flashwatch.sites import find_sites
 from standins import GPT2Config, LlamaConfig, TinyGPT2, TinyLlama, TinyViTish
@@ -157,3 +159,81 @@ def test_canonical_names_drop_wrapper_segments_only():
     # A list of sites found on the wrapped model (canonical names) is accepted back.
     compiled = torch.compile(_gpt())
     assert [s.name for s in find_sites(compiled, find_sites(compiled))] == MODELS["nanogpt"][1]
+
+
+class _TitanAttention(nn.Module):
+    """torchtitan's Llama attention, as its models/llama3 code lays it out: wq/wk/wv/wo,
+    n_heads/n_kv_heads/head_dim on the module, K and V repeated to n_heads (repeat_kv)
+    before an SDPA module (`self.sdpa`)."""
+
+    class _SDPA(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def __init__(self, dim=32, n_heads=4, n_kv_heads=2):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.sdpa = self._SDPA()
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # -1: the local heads under TP
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        rep = self.n_heads // self.n_kv_heads
+        k, v = (u.repeat_interleave(rep, dim=2) for u in (k, v))
+        o = self.sdpa(*(u.transpose(1, 2) for u in (q, k, v)))
+        return self.wo(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class _TitanLlama(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok_embeddings = nn.Embedding(64, 32)
+        self.layers = nn.ModuleDict({str(i): nn.ModuleDict(dict(attention=_TitanAttention()))
+                                     for i in range(2)})
+        with torch.no_grad():  # each head's W^Q its own scale: a swapped head shows
+            for i, blk in self.layers.items():
+                w = blk["attention"].wq.weight.view(4, -1, 32)
+                for h in range(4):
+                    w[h] *= 1 + int(i) * 4 + h
+
+    def forward(self, tokens):
+        x = self.tok_embeddings(tokens)
+        for blk in self.layers.values():
+            x = x + blk["attention"](x)
+        return x
+
+
+def test_torchtitan_llama_attention_is_discovered_and_measured_per_head():
+    """torchtitan's names (attention.wq/wk/wv, n_heads, n_kv_heads) are found like Hugging
+    Face's: W^Q per head from wq's rows, K grouped, and the watcher measures every head
+    (max logit against an FP64 recomputation from the layer's own weights)."""
+    model = _TitanLlama()
+    sites = find_sites(model)
+    assert [(s.name, s.num_heads, s.num_kv_heads, s.head_dim) for s in sites] == [
+        ("layers.0.attention", 4, 2, 8), ("layers.1.attention", 4, 2, 8)]
+    tokens = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all"))
+    model(tokens).square().mean().backward()
+    report = w.step()
+    w.remove()
+    x = model.tok_embeddings.weight.double()[tokens]
+    for i, blk in model.layers.items():
+        att = blk["attention"]
+        q = (x @ att.wq.weight.double().T).view(2, 10, 4, 8).transpose(1, 2)
+        k = (x @ att.wk.weight.double().T).view(2, 10, 2, 8).repeat_interleave(2, dim=2)
+        s = q @ k.transpose(1, 2).transpose(-1, -2) / 8 ** 0.5
+        s = s.masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), -torch.inf)
+        for h in range(4):
+            rec = next(r for r in report.heads
+                       if (r.layer, r.head) == (f"layers.{i}.attention", h))
+            assert rec.attention_max_logit == pytest.approx(float(s[:, h].amax()), rel=1e-5)
+            sigma = torch.linalg.matrix_norm(att.wq.weight.double().view(4, 8, 32)[h], ord=2)
+            assert rec.wq_spectral_norm == pytest.approx(float(sigma), rel=1e-4)
+        x = x + att(x.float()).double()

@@ -1,0 +1,323 @@
+"""Pipeline parallelism: each stage watches its own layers, every global head is reported
+once under its own name, on every rank, and a mode or a QK-clip acts on the stage that
+holds the head.
+
+Two gloo processes run a 4-layer Llama-shaped model split into two hand-written stages
+(activations sent forward, their gradients back, as torch.distributed.pipelining does
+underneath): 2 + 2 layers, 3 + 1, and 0 + 4 (stage 0 holds only the embedding: no
+attention layer, and it still joins every collective). Each head's W^Q is scaled by its
+own factor, so a number reported under the wrong layer or head shows. The truth is
+computed on the full model, built from the same seed on each rank, in FP64 over every
+row: max logit, tied rows (a row whose maximum occurs twice within eps), W^Q σ
+(matrix_norm). Before names keyed the exchange, stage 0 reported stage 1's numbers
+under its own layer names (relative error 2.79 on max logit) and pooled ties across
+stages.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _helpers import gloo_ranks
+from torch import nn
+
+import flashwatch as fw
+
+D_MODEL, H, N_LAYERS, VOCAB, T, B = 32, 4, 4, 64, 12, 3
+EPS = 0.3  # wide, so that ties are common (≈ 0.1–0.9 of rows) and counted exactly
+SPLITS = {"2+2": 2, "3+1": 3, "0+4": 0}  # layers on stage 0
+TAU = 2.0  # QK-clip threshold: between the heads' max logits (checked below)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.num_heads, self.head_dim = H, D_MODEL // H
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(D_MODEL, D_MODEL, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, H, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.attention = Attention()
+
+    def forward(self, x):
+        return x + self.attention(self.norm(x))
+
+
+def full_model() -> nn.ModuleDict:
+    """The whole model, the same on every rank: each head's W^Q rows scaled by its own
+    factor (0.6 … 3.9 over the 16 heads)."""
+    torch.manual_seed(0)
+    m = nn.ModuleDict(dict(embed=nn.Embedding(VOCAB, D_MODEL),
+                           layers=nn.ModuleDict({str(i): Block() for i in range(N_LAYERS)}),
+                           head=nn.Linear(D_MODEL, VOCAB)))
+    with torch.no_grad():
+        for i, blk in m["layers"].items():
+            w = blk.attention.q_proj.weight.view(H, -1, D_MODEL)
+            for h in range(H):
+                w[h] *= 0.6 + 0.22 * (int(i) * H + h)
+    return m
+
+
+class Stage(nn.Module):
+    """One pipeline stage: its layers keep their names from the full model (layers.2)."""
+
+    def __init__(self, full: nn.ModuleDict, layers: list[int], first: bool, last: bool):
+        super().__init__()
+        self.embed = full["embed"] if first else None
+        self.layers = nn.ModuleDict({str(i): full["layers"][str(i)] for i in layers})
+        self.head = full["head"] if last else None
+
+    def forward(self, x):
+        if self.embed is not None:
+            x = self.embed(x)
+        for blk in self.layers.values():
+            x = blk(x)
+        return self.head(x) if self.head is not None else x
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (B, T + 1), generator=g)
+
+
+def truth(full: nn.ModuleDict, tokens) -> dict:
+    """Per (layer, head), in FP64 over every row: max logit, tied rows / rows, W^Q σ."""
+    m = {k: v for k, v in full.items()}
+    x = m["embed"].weight.double()[tokens[:, :-1]]
+    out = {}
+    for i in range(N_LAYERS):
+        blk = m["layers"][str(i)]
+        att = blk.attention
+        xn = F.layer_norm(x, (D_MODEL,), blk.norm.weight.double(), blk.norm.bias.double())
+        q = (xn @ att.q_proj.weight.double().T).view(B, T, H, -1).transpose(1, 2)
+        k = (xn @ att.k_proj.weight.double().T).view(B, T, H, -1).transpose(1, 2)
+        v = (xn @ att.v_proj.weight.double().T).view(B, T, H, -1).transpose(1, 2)
+        s = q @ k.transpose(-1, -2) / (D_MODEL // H) ** 0.5
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf)
+        rmax = s.amax(-1, keepdim=True)
+        tied = ((s >= rmax - EPS).sum(-1) >= 2).double()  # [B, H, T]
+        wq = att.q_proj.weight.double().view(H, -1, D_MODEL)
+        for h in range(H):
+            out[(f"layers.{i}.attention", h)] = dict(
+                max_logit=float(s[:, h].amax()), tie=float(tied[:, h].mean()),
+                sigma=float(torch.linalg.matrix_norm(wq[h], ord=2)))
+        o = torch.softmax(s, -1) @ v
+        x = x + o.transpose(1, 2).reshape(B, T, -1) @ att.o_proj.weight.double().T
+    return out
+
+
+def _pipeline_step(stage, rank, tokens, opt):
+    """Forward stage 0 → 1, backward 1 → 0, by send/recv on the default group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        act = stage(tokens[:, :-1])
+        dist.send(act.detach(), 1)
+        grad = torch.empty_like(act)
+        dist.recv(grad, 1)
+        act.backward(grad)
+    else:
+        act = torch.empty(B, T, D_MODEL)
+        dist.recv(act, 0)
+        act.requires_grad_(True)
+        logits = stage(act)
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        dist.send(act.grad, 0)
+    opt.step()
+    opt.zero_grad()
+
+
+def _run(split: str, rank: int) -> dict:
+    full = full_model()
+    first = SPLITS[split]
+    mine = list(range(first)) if rank == 0 else list(range(first, N_LAYERS))
+    stage = Stage(full, mine, first=rank == 0, last=rank == 1)
+    cfg = fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS, mitigation="auto",
+                         qk_clip_threshold=TAU, collective_timeout_s=60)
+    w = fw.watch(stage, config=cfg)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.0)  # weights change by QK-clip only
+    q_before = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    tokens = batch(0)
+    _pipeline_step(stage, rank, tokens, opt)
+    r0 = w.step()
+    q_after = {n: p.detach().clone() for n, p in stage.named_parameters()}
+    # a mode set by hand on the stage that holds layers.3 reaches that stage's kernel
+    if rank == 1:
+        w.set_head_modes("layers.3.attention", [0, int(fw.Mode.FP32_O), 0, 0])
+    _pipeline_step(stage, rank, batch(1), opt)
+    r1 = w.step()
+    out = dict(
+        truth=truth(full_model(), tokens),
+        heads0=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
+                 h.wq_spectral_norm) for h in r0.heads],
+        modes1={(h.layer, h.head): int(h.head_mode) for h in r1.heads},
+        unmitigable1=dict(r1.unmitigable), errors=w.monitor_errors_total,
+        held=[st.site.name for st in w.layer_states],
+        clip_events=[(e.layer, e.head) for e in r0.events if e.kind == "qk_clip"],
+        ratios={n: (q_after[n] / q_before[n]) for n in q_before
+                if n.endswith(("q_proj.weight", "k_proj.weight"))})
+    w.remove()
+    return out
+
+
+def _bf16_reports(run_step, steps=2) -> list:
+    """(layer, head, δ sum, δ rows, tie ratio, max logit) of each head, at each of
+    `steps` monitored steps of BF16-autocast training: what the sign statistic reads."""
+    out = []
+    for step in range(steps):
+        r = run_step(step)
+        out.append([(h.layer, h.head, h.delta_error_sum, h.delta_error_rows,
+                     h.tied_rowmax_ratio, h.attention_max_logit) for h in r.heads])
+    return out
+
+
+def _bf16_config():
+    return fw.WatchConfig(every_n_steps=1, rows_per_head="all", collective_timeout_s=60)
+
+
+def _bf16_pipeline(rank: int) -> list:
+    """2 + 2 stages under BF16 autocast: the δ error of each stage's heads, which under
+    pipeline parallelism is the whole loss's, not a replica's share of it."""
+    full = full_model()
+    stage = Stage(full, [0, 1] if rank == 0 else [2, 3], first=rank == 0, last=rank == 1)
+    w = fw.watch(stage, config=_bf16_config())
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+
+    def run_step(step):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _pipeline_step(stage, rank, batch(step), opt)
+        return w.step()
+
+    try:
+        return _bf16_reports(run_step)
+    finally:
+        w.remove()
+
+
+def bf16_single_process() -> list:
+    """The same training on the whole model in one process: the truth for the stages."""
+    full = full_model()
+    model = Stage(full, list(range(N_LAYERS)), first=True, last=True)
+    w = fw.watch(model, config=_bf16_config())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run_step(step):
+        tokens = batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.float().reshape(-1, VOCAB),
+                            tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        return w.step()
+
+    try:
+        return _bf16_reports(run_step)
+    finally:
+        w.remove()
+
+
+def _worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    results = {}
+    for split in SPLITS:
+        results[split] = _run(split, rank)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    results["bf16"] = _bf16_pipeline(rank)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return gloo_ranks(_worker, 2, tmp_path_factory.mktemp("pipeline"))
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_every_global_head_is_reported_once_under_its_name_on_both_stages(results, split):
+    r0, r1 = results[0][split], results[1][split]
+    truth = r0["truth"]
+    assert r0["errors"] == r1["errors"] == 0
+    assert r0["heads0"] == r1["heads0"]  # the same global table on both stages
+    keys = [(layer, h) for layer, h, *_ in r0["heads0"]]
+    assert keys == list(truth)  # every head once, in the model's order
+    first = SPLITS[split]
+    assert r0["held"] == [f"layers.{i}.attention" for i in range(first)]
+    assert r1["held"] == [f"layers.{i}.attention" for i in range(first, N_LAYERS)]
+    for layer, h, max_logit, tie, sigma in r0["heads0"]:
+        t = truth[(layer, h)]
+        assert max_logit == pytest.approx(t["max_logit"], rel=1e-5), (layer, h)
+        assert tie == t["tie"], (layer, h)  # every row counted: exactly the FP64 count
+        assert sigma == pytest.approx(t["sigma"], rel=1e-4), (layer, h)
+    ties = [t["tie"] for t in truth.values()]
+    assert min(ties) < max(ties)  # the planted data makes them differ between heads
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_a_hand_set_mode_runs_on_the_stage_that_holds_the_head(results, split):
+    r0, r1 = results[0][split], results[1][split]
+    for r in (r0, r1):  # both stages report it, and that the kernel ran it
+        assert r["modes1"][("layers.3.attention", 1)] == int(fw.Mode.FP32_O)
+        assert {k for k, m in r["modes1"].items() if m} == {("layers.3.attention", 1)}
+    assert "layers.3.attention" not in r1["unmitigable1"]
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_qk_clip_scales_exactly_the_heads_above_tau_on_their_stage(results, split):
+    truth = results[0][split]["truth"]
+    above = {k for k, t in truth.items() if t["max_logit"] > TAU}
+    assert 0 < len(above) < len(truth)  # τ splits the heads
+    clipped = set()
+    for rank in (0, 1):
+        r = results[rank][split]
+        # each stage clips, and reports as clip events, the heads it holds
+        assert {tuple(e) for e in r["clip_events"]} == {k for k in above if k[0] in r["held"]}
+        for name, ratio in r["ratios"].items():
+            layer = name.split(".attention.")[0] + ".attention"
+            which = "q" if "q_proj" in name else "k"
+            per_head = ratio.view(H, -1)
+            for h in range(H):
+                t = truth[(layer, h)]["max_logit"]
+                eta = TAU / t
+                want = eta ** 0.5 if (layer, h) in above else 1.0  # α = 0.5 (default)
+                assert torch.allclose(per_head[h], torch.full_like(per_head[h], want),
+                                      rtol=1e-5), (name, h, which)
+                if (layer, h) in above:
+                    clipped.add((layer, h))
+    assert clipped == above  # each scaled on the stage that holds it
+
+
+def test_bf16_stages_report_what_the_whole_model_reports_in_one_process(results):
+    """Under BF16 autocast, with every row measured: each head's δ sum, δ rows, tie ratio
+    and max logit on either stage equal the one-process run's (the stage's dO is the
+    whole loss's: scaling it as a replica's share would halve every stage's Σc)."""
+    torch.set_num_threads(1)
+    truth = bf16_single_process()
+    for rank in (0, 1):
+        got = results[rank]["bf16"]
+        for step, (mine, want) in enumerate(zip(got, truth, strict=True)):
+            assert [h[:2] for h in mine] == [h[:2] for h in want]
+            for a, b in zip(mine, want, strict=True):
+                assert a[3] == b[3] and a[3] > 0, (step, a, b)  # rows with δ
+                assert a[4] == b[4], (step, a, b)
+                assert a[5] == pytest.approx(b[5], rel=1e-6), (step, a, b)
+                assert a[2] == pytest.approx(b[2], rel=1e-4, abs=1e-9), (step, a, b)
+    assert any(abs(h[2]) > 1e-6 for h in truth[0])  # BF16 made a δ error to compare
