@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels import dispatch as _dispatch_mod
 from flashwatch.monitor import traced as _traced
+from flashwatch.parallel.pipelining import in_metadata_inference
 
 log = logging.getLogger("flashwatch")
 
@@ -212,6 +213,8 @@ class Attachment:
         """The watched module's forward on measured or routed steps: mark it current for
         its attention calls, run it, unmark it."""
         rec = self.recorder
+        if in_metadata_inference():  # shapes only, on empty tensors: nothing to measure
+            return original(module, *args, **kwargs)
         if not recomputing():
             if st.routed:
                 st.module_calls += 1

@@ -5,7 +5,10 @@ holds the head.
 Two gloo processes run a 4-layer Llama-shaped model split into two hand-written stages
 (activations sent forward, their gradients back, as torch.distributed.pipelining does
 underneath): 2 + 2 layers, 3 + 1, and 0 + 4 (stage 0 holds only the embedding: no
-attention layer, and it still joins every collective). Each head's W^Q is scaled by its
+attention layer, and it still joins every collective); and 2 + 2 under
+torch.distributed.pipelining's GPipe and 1F1B schedules with 3 micro-batches, whose
+first step runs an extra forward for metadata inference (on torch.empty inputs after
+stage 0) that is not measured. Each head's W^Q is scaled by its
 own factor, so a number reported under the wrong layer or head shows. The truth is
 computed on the full model, built from the same seed on each rank, in FP64 over every
 row: max logit, tied rows (a row whose maximum occurs twice within eps), W^Q σ
@@ -29,6 +32,7 @@ import flashwatch as fw
 D_MODEL, H, N_LAYERS, VOCAB, T, B = 32, 4, 4, 64, 12, 3
 EPS = 0.3  # wide, so that ties are common (≈ 0.1–0.9 of rows) and counted exactly
 SPLITS = {"2+2": 2, "3+1": 3, "0+4": 0}  # layers on stage 0
+SCHEDULES = ("gpipe", "1f1b")  # torch.distributed.pipelining, 2 + 2 layers
 TAU = 2.0  # QK-clip threshold: between the heads' max logits (checked below)
 
 
@@ -174,6 +178,33 @@ def _run(split: str, rank: int) -> dict:
     return out
 
 
+def _scheduled(schedule_name: str, rank: int) -> dict:
+    """2 + 2 stages run by torch.distributed.pipelining (PipelineStage, 3 micro-batches):
+    the first step is monitored, where the stage's metadata inference runs an extra
+    forward on torch.empty inputs (stage 1) that must not be measured."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    full = full_model()
+    mod = Stage(full, [0, 1] if rank == 0 else [2, 3], first=rank == 0, last=rank == 1)
+    w = fw.watch(mod, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS,
+                                            collective_timeout_s=60))
+    stage = PipelineStage(mod, rank, 2, torch.device("cpu"))
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](
+        stage, n_microbatches=3, loss_fn=lambda out, tgt: F.cross_entropy(
+            out.reshape(-1, VOCAB), tgt.reshape(-1)))
+    tokens = batch(0)
+    if rank == 0:
+        schedule.step(tokens[:, :-1])
+    else:
+        schedule.step(target=tokens[:, 1:])
+    r = w.step()
+    out = dict(truth=truth(full_model(), tokens), errors=w.monitor_errors_total,
+               heads0=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
+                        h.wq_spectral_norm) for h in r.heads])
+    w.remove()
+    return out
+
+
 def _bf16_reports(run_step, steps=2) -> list:
     """(layer, head, δ sum, δ rows, tie ratio, max logit) of each head, at each of
     `steps` monitored steps of BF16-autocast training: what the sign statistic reads."""
@@ -242,6 +273,8 @@ def _worker(rank, world, init_file, out_dir):
         results[split] = _run(split, rank)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     results["bf16"] = _bf16_pipeline(rank)
+    for schedule in SCHEDULES:
+        results[schedule] = _scheduled(schedule, rank)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -251,7 +284,7 @@ def results(tmp_path_factory):
     return gloo_ranks(_worker, 2, tmp_path_factory.mktemp("pipeline"))
 
 
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("split", list(SPLITS) + list(SCHEDULES))
 def test_every_global_head_is_reported_once_under_its_name_on_both_stages(results, split):
     r0, r1 = results[0][split], results[1][split]
     truth = r0["truth"]
@@ -259,9 +292,10 @@ def test_every_global_head_is_reported_once_under_its_name_on_both_stages(result
     assert r0["heads0"] == r1["heads0"]  # the same global table on both stages
     keys = [(layer, h) for layer, h, *_ in r0["heads0"]]
     assert keys == list(truth)  # every head once, in the model's order
-    first = SPLITS[split]
-    assert r0["held"] == [f"layers.{i}.attention" for i in range(first)]
-    assert r1["held"] == [f"layers.{i}.attention" for i in range(first, N_LAYERS)]
+    first = SPLITS.get(split, 2)
+    if split in SPLITS:
+        assert r0["held"] == [f"layers.{i}.attention" for i in range(first)]
+        assert r1["held"] == [f"layers.{i}.attention" for i in range(first, N_LAYERS)]
     for layer, h, max_logit, tie, sigma in r0["heads0"]:
         t = truth[(layer, h)]
         assert max_logit == pytest.approx(t["max_logit"], rel=1e-5), (layer, h)
