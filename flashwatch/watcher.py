@@ -191,22 +191,36 @@ class Watcher:
         if self._cadence.removed:
             raise RuntimeError("this Watcher was removed; create a new one with "
                                "flashwatch.watch(model)")
+        grad = torch.is_grad_enabled()
+        try:
+            return self._step_once()
+        finally:  # a torch.no_grad() of ours whose exit failed must not outlive step()
+            if torch.is_grad_enabled() != grad:
+                torch.set_grad_enabled(grad)
+
+    def _step_once(self) -> StepReport | None:
         t0 = time.perf_counter()
         completed, was_monitoring = self._step, self._cadence.monitoring
-        self._move_to(self._step + 1)
+        try:
+            self._move_to(self._step + 1)
+        except Exception as e:  # the count moved; hooks re-armed at the next step
+            self._ledger.error("step", e)
         if not was_monitoring:
             return None
-        try:
+        try:  # runs its collectives to the end on every rank (monitored_step.py)
             report = self._pipeline.run(completed)
         except Exception as e:  # never take the run down
             self._ledger.error("step", e)
-            self._recorder.clear_step()
+            self._pipeline._local("step", self._recorder.clear_step, None)
             return None
         finally:  # the layers this step saw measured, and new modes, decide the stance
-            if self._pipeline.realign_to is not None:  # the ranks' counts differed
-                self._move_to(self._pipeline.realign_to)
-                self._pipeline.realign_to = None
-            self._stance()
+            try:
+                if self._pipeline.realign_to is not None:  # the ranks' counts differed
+                    self._move_to(self._pipeline.realign_to)
+                    self._pipeline.realign_to = None
+                self._stance()
+            except Exception as e:
+                self._ledger.error("step", e)
         report.monitor_seconds = self._ledger.seconds + time.perf_counter() - t0
         self._ledger.seconds = 0.0
         report.monitor_errors_total = self._ledger.total

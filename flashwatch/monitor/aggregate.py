@@ -188,8 +188,8 @@ def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
     (÷W); sampled rows: every replica samples rows_per_head rows, W times one process's
     count (÷W again: a mean over replicas). The sign statistics get the sums ÷W only
     (Σc²: ÷W²): scale-free, with every replica's rows."""
-    s = {k: v.numpy() for k, v in sums.items()}
-    m = {k: v.numpy() for k, v in maxes.items()}
+    s = {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in sums.items()}
+    m = {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in maxes.items()}
     W = np.asarray(holders, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN where it is dropped
         sampled, averaged = m["sampled"] > 0, m["averaged"] > 0

@@ -81,12 +81,36 @@ class Recorder(ProbeRecorder):
         return hook
 
     def on_sdpa(self, st: LayerState, func, args, kwargs):
+        """A watched layer's SDPA call: ours before it (what to route), the call itself
+        (the model's: its errors are the model's), ours after it (measuring). A failure
+        of ours is counted and the call runs as the model made it, unmeasured."""
+        try:
+            a, q, k, v, route = self._plan_sdpa(st, args, kwargs)
+        except Exception as e:
+            self.ledger.error(f"attention call {st.site.name}", e)
+            return func(*args, **kwargs)
+        if a is None:
+            return func(*args, **kwargs)
+        mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
+        causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+        out = self._route_sdpa(st, q, k, v, mask, dropout, causal, scale) if route else None
+        routed = out is not None
+        if out is None:
+            out = func(*args, **kwargs)
+        if self.cadence.measuring:
+            try:
+                self._measure_sdpa(st, a, q, k, v, out, routed)
+            except Exception as e:
+                self.ledger.error(f"probe {st.site.name}", e)
+        return out
+
+    def _plan_sdpa(self, st: LayerState, args, kwargs):
+        """(SDPA's arguments by name, q, k, v as SDPA computes with them, route?), or
+        a None first item for a call that is not the layer's heads."""
         a = traced.sdpa_args(args, kwargs)
         # route and probe what SDPA computes with (autocast: rotary models hand it FP32
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
-        mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
-        causal, scale = bool(a.get("is_causal", False)), a.get("scale")
         if q.dim() == 4 and q.shape[1] != st.site.num_heads:
             # e.g. a KV-cached decode step of a grouped-query model that folds its query
             # heads into the length axis ([B, H_kv, n_rep, D]): not the layer's heads, so
@@ -95,48 +119,46 @@ class Recorder(ProbeRecorder):
                            f"with {q.shape[1]} heads, not the layer's {st.site.num_heads} "
                            f"(a decode step folding query heads?); such calls run as they "
                            f"are and are not measured")
-            return func(*args, **kwargs)
-        out, routed = None, False
-        if st.routed:
-            out = self._route_sdpa(st, q, k, v, mask, dropout, causal, scale)
-            routed = out is not None
-        if out is None:
-            out = func(*args, **kwargs)
-        if self.cadence.measuring:
-            st.compiled.sdpa_seen = True
-            st.buf.calls += 1
-            self._check_q(st, a["query"])
-            dropped = bool(dropout) and torch.is_grad_enabled()  # never routed (above)
-            if dropped:  # the kernel's O is dropped out; the FP32 recomputation is not
-                st.compiled.dropout_seen = True
-                self.warn_once(st, "dropout", f"flashwatch: {st.site.name} uses attention "
-                               f"dropout ({dropout}): its δ error is not measured (O_used "
-                               f"is dropped out, the FP32 recomputation is not); ties and "
-                               f"max logit still are")
-            self._safe_probe(st, q, k, v, out, causal, scale, mask, routed, grad=not dropped)
-        return out
+            return None, q, k, v, False
+        return a, q, k, v, st.routed
+
+    def _measure_sdpa(self, st: LayerState, a, q, k, v, out, routed: bool) -> None:
+        mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
+        causal, scale = bool(a.get("is_causal", False)), a.get("scale")
+        st.compiled.sdpa_seen = True
+        st.buf.calls += 1
+        self._check_q(st, a["query"])
+        dropped = bool(dropout) and torch.is_grad_enabled()  # never routed (above)
+        if dropped:  # the kernel's O is dropped out; the FP32 recomputation is not
+            st.compiled.dropout_seen = True
+            self.warn_once(st, "dropout", f"flashwatch: {st.site.name} uses attention "
+                           f"dropout ({dropout}): its δ error is not measured (O_used "
+                           f"is dropped out, the FP32 recomputation is not); ties and "
+                           f"max logit still are")
+        self._safe_probe(st, q, k, v, out, causal, scale, mask, routed, grad=not dropped)
 
     def _route_sdpa(self, st, q, k, v, mask, dropout, causal, scale):
         """The call through flashwatch's kernel with the layer's modes, or None (it
         then runs the original kernel, counted as a fallback when modes are set)."""
-        reason = None
-        if dropout and torch.is_grad_enabled():
-            reason = f"it uses attention dropout ({dropout})"
-        elif q.dim() != 4:
-            reason = f"its q has {q.dim()} dims"
-        if reason is None:
-            try:
-                return self._routed(st, q, k, v, causal, scale, None, attn_mask=mask)
-            except _dispatch_mod.NotInKernel as e:  # a known limit (docs/limits.md)
-                reason = f"it passes attn_mask, which its backend cannot run ({e})"
-            except Exception as e:
-                self.ledger.error(f"routing {st.site.name}", e)
-                self._fallback(st, f"routing failed ({type(e).__name__}: {e})")
-                return None
-        self._fallback(st, reason)
-        self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
-                       f"{st.site.name} because {reason}; it stays on the original "
-                       f"kernel and is still measured")
+        try:
+            reason = None
+            if dropout and torch.is_grad_enabled():
+                reason = f"it uses attention dropout ({dropout})"
+            elif q.dim() != 4:
+                reason = f"its q has {q.dim()} dims"
+            if reason is None:
+                try:
+                    return self._routed(st, q, k, v, causal, scale, None, attn_mask=mask)
+                except _dispatch_mod.NotInKernel as e:  # a known limit (docs/limits.md)
+                    reason = f"it passes attn_mask, which its backend cannot run ({e})"
+            self._fallback(st, reason)
+            self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
+                           f"{st.site.name} because {reason}; it stays on the original "
+                           f"kernel and is still measured")
+        except Exception as e:
+            self.ledger.error(f"routing {st.site.name}", e)
+            st.unmitigable = f"routing failed ({type(e).__name__}: {e})"
+            st.fallback_calls += 1
         return None
 
     def _check_q(self, st: LayerState, q) -> None:

@@ -4,7 +4,10 @@ training; warnings are logged once per key."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+
+import torch
 
 from flashwatch._checks import log_once
 
@@ -26,3 +29,17 @@ class ErrorLedger:
 
     def warn_once(self, key, message: str) -> None:
         log_once(log, self._keys, key, "%s", message)
+
+    @contextlib.contextmanager
+    def guard(self, where: str):
+        """Run a block of ours inside the user's forward or backward: a failure is
+        counted, never raised, and the grad mode is the user's again afterwards (a
+        `torch.no_grad()` whose exit failed would leave it off for the rest of training)."""
+        grad = torch.is_grad_enabled()
+        try:
+            yield
+        except Exception as e:
+            self.error(where, e)
+        finally:
+            if torch.is_grad_enabled() != grad:
+                torch.set_grad_enabled(grad)

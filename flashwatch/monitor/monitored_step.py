@@ -90,6 +90,7 @@ class StepPipeline:
         self.policy = Policy(config, self.heads)
         self.qk_clip = QKClip(config, [st.site for st in states],
                               offsets=[st.offset for st in states], n_heads=n)
+        self.buffers = reduce.Buffers(aggregate.shapes(n, config.sketch_dim))
         self.events: list = []  # every mode change and QK-clip since the start
         self.unreported: list = []  # hand-set mode changes not yet in a StepReport
         self.confirmed: list = []  # mode events seen run since the last report
@@ -130,39 +131,60 @@ class StepPipeline:
         return modes
 
     def run(self, step: int) -> StepReport:
-        """A monitored step's report. Every rank issues the same collectives in the same
-        order whatever fails locally (flashwatch/parallel/reduce.py): buffers → W^Q norms (sharded
-        ones: collectives) → one move to the host → exchange → decide → vote."""
-        not_applied, withdrawn = self._judge_modes()
-        local = None
-        try:
-            layers, totals = self._step_buffers()
-        except Exception as e:
-            self.ledger.error("step totals", e)
-            layers = totals = None
+        """A monitored step's report, as a fixed schedule of collectives that every rank
+        runs to the end whatever raised on it (flashwatch/parallel/reduce.py):
+
+            local    judge modes, buffers, W^Q norms (sharded: collectives of their own,
+                     fault-symmetric), one move to the host        each stage guarded
+            EXCHANGE one SUM + one MAX                 always: a failed rank sends fills
+            local    modes of other ranks, finish, decide          each stage guarded
+            VOTE     one MAX                           always: a failed rank says so
+            HEAL     one broadcast                     iff the vote (read with numpy, the
+                                                       same on every rank) disagreed
+            local    QK-clip, the report
+
+        Between two collectives nothing of torch decides what comes next: the exchange
+        and the vote fill and read numpy buffers (reduce.Buffers). Only a broken group
+        (a collective that raised: a rank that never came) stops the schedule."""
+        not_applied, withdrawn = self._local("judge modes", self._judge_modes, ({}, []))
+        parts = self._local("step totals", self._step_buffers, None)
         sigma = self._spectral()  # every rank: sharded W^Q norms are collectives
-        if layers is not None:
-            try:
-                local = aggregate.contribution(aggregate.place(
-                    aggregate.to_host(aggregate.gather(layers, totals, sigma)),
-                    self.positions, len(self.heads)))
-                local.update(self._held_modes(not_applied))
-            except Exception as e:
-                self.ledger.error("step totals", e)
-        self.recorder.clear_step()
+        local = None
+        if parts is not None:
+            local = self._local("step totals", lambda: self._contribution(
+                *parts, sigma, not_applied), None)
+        self._local("step totals", self.recorder.clear_step, None)
         red = self._exchange(local, step)
-        ran = self._ran(not_applied)
-        if red is not None:
-            try:
-                learned = self._learn_modes(red.maxes)
-                ran = torch.where(self.held, ran, learned)
-            except Exception as e:
-                self.ledger.error("modes of other ranks", e)
+        ran = self._local("modes of other ranks", lambda: self._ran_everywhere(
+            red, not_applied), None)
         decided = self._decide_together(step, red)
         if decided.arrays is None:
             raise RuntimeError(f"no numbers to report at step {step}: "
                                f"{self.monitor.broken or 'see the errors logged above'}")
         return self._report(step, decided, ran, not_applied, withdrawn)
+
+    def _local(self, stage: str, fn, failed):
+        """A local stage of the schedule: its result, or `failed` with the error counted
+        (log once, flashwatch_monitor_errors_total)."""
+        try:
+            return fn()
+        except Exception as e:
+            self.ledger.error(stage, e)
+            return failed
+
+    def _contribution(self, layers, totals, sigma, not_applied) -> dict[str, torch.Tensor]:
+        local = aggregate.contribution(aggregate.place(
+            aggregate.to_host(aggregate.gather(layers, totals, sigma)),
+            self.positions, len(self.heads)))
+        local.update(self._held_modes(not_applied))
+        return local
+
+    def _ran_everywhere(self, red, not_applied) -> torch.Tensor:
+        """The modes each head's kernel ran: this rank's own, the others' as reduced."""
+        ran = self._ran(not_applied)
+        if red is None:
+            return ran
+        return torch.where(self.held, ran, self._learn_modes(red.maxes))
 
     def _held_modes(self, not_applied: dict) -> dict[str, torch.Tensor]:
         """This rank's part of the mode fields of the exchange: the modes it set and ran
@@ -181,19 +203,19 @@ class StepPipeline:
                 ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
         return ran
 
-    def _learn_modes(self, maxes: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _learn_modes(self, maxes: dict[str, np.ndarray]) -> torch.Tensor:
         """After the exchange: the modes of heads held elsewhere, and the restart of heads
         set by hand on another rank (as user_change did where they were set). Returns the
         modes each head ran, for the report (-1: unknown)."""
-        held_elsewhere = ~self.held & torch.isfinite(maxes["mode"])
-        self.modes[held_elsewhere] = maxes["mode"][held_elsewhere].long()
-        restart = ~self.held & (maxes["user_set"] > 0)
+        mode, user_set, ran = (torch.from_numpy(maxes[k]) for k in ("mode", "user_set", "ran"))
+        held_elsewhere = ~self.held & torch.isfinite(mode)
+        self.modes[held_elsewhere] = mode[held_elsewhere].long()
+        restart = ~self.held & (user_set > 0)
         if restart.any():
             self.signals.reset_window(restart)
             self.policy.restart(restart)
         self.user_set.zero_()
-        return torch.where(torch.isfinite(maxes["ran"]), maxes["ran"],
-                           torch.full_like(maxes["ran"], -1.0)).long()
+        return torch.where(torch.isfinite(ran), ran, torch.full_like(ran, -1.0)).long()
 
     def _judge_modes(self) -> tuple[dict, list]:
         """Which layers' non-STANDARD modes did not run since the last report, and the
@@ -246,12 +268,11 @@ class StepPipeline:
         Plain W^Q from their Gram matrices, same-shape ones batched over layers; sharded
         (DTensor) ones by the fault-symmetric sharded power iteration, on every rank."""
         cfg = self.config
-        try:
-            with torch.no_grad():
-                norms = spectral_norms([st.site for st in self.states],
-                                       [st.power_v for st in self.states], cfg.power_iters,
-                                       monitor=self.monitor, max_iters=cfg.power_max_iters,
-                                       tol=SPECTRAL_TOL)
+        try:  # no torch call of ours before it: its collectives are issued on every rank
+            norms = spectral_norms([st.site for st in self.states],
+                                   [st.power_v for st in self.states], cfg.power_iters,
+                                   monitor=self.monitor, max_iters=cfg.power_max_iters,
+                                   tol=SPECTRAL_TOL)
         except Exception as e:
             self.ledger.error("spectral norms", e)
             norms = [e] * len(self.states)
@@ -270,12 +291,12 @@ class StepPipeline:
         """reduce.exchange on the monitor's group, or None once the group is broken.
         Ranks at different step counts are told so (every rank: it is in the reduced
         numbers) and realigned to the highest."""
-        shapes = aggregate.shapes(len(self.heads), self.config.sketch_dim)
         monitor = self.monitor if self.monitor.distributed else None
         if monitor is not None and monitor.broken is not None:
             return None
         try:
-            red = reduce.exchange(monitor, local, local, shapes, step=step)
+            red = reduce.exchange(monitor, local, local, self.buffers.shapes, step=step,
+                                  buffers=self.buffers)
         except Exception as e:
             self.ledger.error("cross-rank reduction", e)
             return None
@@ -296,11 +317,12 @@ class StepPipeline:
         return red
 
     def _decide_together(self, step: int, red) -> Decided:
-        """finish → signals → policy → QK-clip plan, then a vote that every rank issues:
-        if any rank failed (or holds other modes), every rank takes the state of the
-        lowest rank that did not fail, so modes stay identical everywhere."""
+        """finish → signals → policy → QK-clip plan, each rank applies its decision,
+        then the vote that every rank issues: if any rank failed (or now holds other
+        modes), every rank takes the state of the lowest rank that did not fail, so
+        modes stay identical everywhere."""
         decision = values = arrays = None
-        failed, clip_plan = False, None
+        failed, clip_plan = red is None, None
         try:
             if red is not None:
                 arrays = aggregate.finish(red.sums, red.maxes, self.holders)
@@ -310,16 +332,20 @@ class StepPipeline:
         except Exception as e:
             self.ledger.error("decide", e)
             failed, decision = True, None
-        modes = decision.modes if decision is not None else self.global_modes()
-        agreed = red is None or self._vote_agrees(failed, modes)
+        if decision is not None:  # applied before the vote: the vote sees what runs
+            failed |= self._local("apply decision", lambda: self._set_decided(decision),
+                                  True) is True
+        mode_hash = self._local("vote", self._mode_hash, None)
+        agreed = self._vote_agrees(failed or mode_hash is None, mode_hash or 0.0)
         if not agreed and self.monitor.rank != self.source:
-            decision = None  # this rank takes the source rank's decision instead
+            decision = None  # this rank takes the source rank's state instead
         if decision is not None:
-            self._apply_decision(decision)
+            self.events.extend(decision.events)
         if not agreed:
             clip_plan = None  # weights change only where every rank agreed
             self._heal()
-        clips = self._safe_qk_clip(step, arrays, clip_plan)
+        clips = self._local("qk_clip", lambda: self._safe_qk_clip(step, arrays, clip_plan),
+                            [])
         return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
 
     def _decide(self, step: int, a: aggregate.HeadArrays):
@@ -331,22 +357,29 @@ class StepPipeline:
                                        max_logit=t(a.max_logit), share=t(a.share))
         return values, decision
 
-    def _vote_agrees(self, failed: bool, modes: torch.Tensor) -> bool:
-        """One MAX all_reduce of [failed, mode hash, -mode hash, -(first healthy rank)]:
-        True when no rank failed and all hold the same modes."""
+    def _mode_hash(self) -> float:
+        modes = self.global_modes().double()
+        return float((modes * torch.arange(1, modes.numel() + 1, dtype=torch.float64)).sum())
+
+    def _vote_agrees(self, failed: bool, mode_hash: float) -> bool:
+        """One MAX all_reduce of [failed, mode hash, -mode hash, -(first healthy rank)],
+        filled and read with numpy (reduce.Buffers): True when no rank failed and all
+        hold the same modes. Sets `source`, the rank a disagreeing vote heals from."""
         mon = self.monitor
         if not mon.distributed:
             return not failed
-        h = float((modes.double() * torch.arange(1, modes.numel() + 1,
-                                                  dtype=torch.float64)).sum())
+        if mon.broken is not None:
+            return False  # no collective any more; nothing to heal from
         me = float(mon.world if failed else mon.rank)
-        vote = torch.tensor([float(failed), h, -h, -me], dtype=torch.float64)
+        vote = self.buffers.vote
+        vote[:] = (float(failed), mode_hash, -mode_hash, -me)
         try:
-            mon.all_reduce_(vote, "max")
+            mon.all_reduce_(self.buffers.vote_t, "max")
         except Exception as e:
             self.ledger.error("vote", e)
+            self.source = mon.world  # the group broke: no heal
             return False
-        any_failed, max_hash, neg_min_hash, neg_source = vote.tolist()
+        any_failed, max_hash, neg_min_hash, neg_source = (float(x) for x in vote)
         self.source = int(-neg_source)  # the lowest rank that did not fail
         agree = any_failed == 0 and max_hash == -neg_min_hash
         if not agree:
@@ -356,25 +389,38 @@ class StepPipeline:
         return bool(agree)
 
     def _heal(self) -> None:
-        """Every rank takes the signals, policy and modes of `self.source` (one
-        broadcast on the monitor's group; no healthy rank: each keeps its own)."""
+        """Every rank takes the modes, signals and policy of `self.source`: one
+        broadcast on the monitor's group, issued by every rank whatever failed on it (a
+        source that cannot gather its state sends None and each rank keeps its own; no
+        healthy rank: no broadcast)."""
         mon = self.monitor
-        if not mon.distributed or self.source >= mon.world:
+        if not mon.distributed or self.source >= mon.world or mon.broken is not None:
             return
         import torch.distributed as dist
 
         box = [None]
-        if mon.rank == self.source:
-            box = [dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
-                        modes=self.global_modes())]
+        if mon.rank == self.source:  # a second try: the broadcast must carry the state
+            box[0] = (self._local("state broadcast", self._state_box, None)
+                      or self._local("state broadcast", self._state_box, None))
         try:
             dist.broadcast_object_list(box, src=self.source, group=mon.group)
-            if mon.rank != self.source:
-                self.signals.load_state_dict(box[0]["signals"])
-                self.policy.load_state_dict(box[0]["policy"])
-                self._set_all(box[0]["modes"])
         except Exception as e:
+            mon.broken = f"a collective failed ({type(e).__name__}: {e})"
             self.ledger.error("state broadcast", e)
+            return
+        if mon.rank != self.source and box[0] is not None:
+            state = box[0]  # the modes first, and again if they fail: they run next step
+            if self._local("state broadcast", lambda: self._set_all(state["modes"]),
+                           False) is False:
+                self._local("state broadcast", lambda: self._set_all(state["modes"]), None)
+            self._local("state broadcast",
+                        lambda: self.signals.load_state_dict(state["signals"]), None)
+            self._local("state broadcast",
+                        lambda: self.policy.load_state_dict(state["policy"]), None)
+
+    def _state_box(self) -> dict:
+        return dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
+                    modes=self.global_modes())
 
     def _set_all(self, modes: torch.Tensor) -> None:
         """Every head's modes [n]: this rank's layers run theirs."""
@@ -383,15 +429,17 @@ class StepPipeline:
         for st in self.states:
             self.set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
 
-    def _apply_decision(self, decision) -> None:
+    def _set_decided(self, decision) -> None:
+        """A decision's modes on this rank's layers (the events are kept after the
+        vote)."""
         self._set_all(decision.modes)
         by_name = {st.site.name: st for st in self.states}
-        for e in decision.events:
-            if e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD:
+        for e in decision.events:  # applied once a report sees them run where they are held
+            if (e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD
+                    and e.layer in by_name):
                 by_name[e.layer].pending.append(e)
         if decision.reset_window.any():
             self.signals.reset_window(decision.reset_window)
-        self.events.extend(decision.events)
 
     def _report(self, step, decided: Decided, ran, not_applied, withdrawn) -> StepReport:
         a, values, decision = decided.arrays, decided.values, decided.decision

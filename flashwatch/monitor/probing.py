@@ -64,7 +64,7 @@ class ProbeRecorder:
                     softcap=None, sliding_window=None):
         """The probe on an eager call; grad=False: its ties and max logit only."""
         t0 = time.perf_counter()
-        try:
+        with self.ledger.guard(f"probe {st.site.name}"):
             if recomputing():
                 st.compiled.checkpointed = True  # keeps the eager path (traced.py cannot trace it)
                 if grad:
@@ -77,8 +77,6 @@ class ProbeRecorder:
                         out.register_hook(self._grad_hook(st, probed))
                     else:  # a reentrant checkpoint's first forward: its recompute hooks it
                         st.buf.no_grad_samples.append(probed)
-        except Exception as e:
-            self.ledger.error(f"probe {st.site.name}", e)
         self.ledger.seconds += time.perf_counter() - t0
 
     def traced_probe(self, st, q, k, v, out, x, mask, causal, scale):
@@ -218,7 +216,7 @@ class ProbeRecorder:
             if self.cadence.removed:
                 return None
             t0 = time.perf_counter()
-            try:
+            with self.ledger.guard(f"gradient probe {st.site.name}"):
                 with torch.no_grad(), no_autocast(grad.device):
                     s, every = call.sample, call.every_row
                     b, t = s.b, s.t
@@ -254,8 +252,6 @@ class ProbeRecorder:
                     if s.share_w is not None:
                         st.buf.share_rows += len(b)
                     self._sample_done()
-            except Exception as e:
-                self.ledger.error(f"gradient probe {st.site.name}", e)
             self.ledger.seconds += time.perf_counter() - t0
             return None
         return hook

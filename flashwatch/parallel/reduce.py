@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from flashwatch._checks import check_float
@@ -126,10 +127,11 @@ class MonitorGroup:
 
 @dataclass
 class Reduced:
-    """What every rank gets back from `exchange`, identical on every rank."""
+    """What every rank gets back from `exchange`, identical on every rank: numpy float64
+    arrays, read from the memory the collectives wrote (see `Buffers`)."""
 
-    sums: dict[str, torch.Tensor]
-    maxes: dict[str, torch.Tensor]
+    sums: dict[str, np.ndarray]
+    maxes: dict[str, np.ndarray]
     failed_ranks: int  # ranks whose local stage failed (their numbers are missing)
     steps: tuple[int, int]  # (lowest, highest) step count among the ranks
     local_error: Exception | None = None  # this rank's packing failed (it sent fills)
@@ -139,40 +141,55 @@ class Reduced:
         return self.steps[0] == self.steps[1]
 
 
+class Buffers:
+    """The exchange's host vectors, allocated once per watcher: numpy arrays whose memory
+    the collectives' tensors share. Between two collectives of a monitored step every
+    rank fills and reads them with numpy alone, so no torch call that fails on one rank
+    can change which collective it issues next (a failed pack writes numpy fills)."""
+
+    def __init__(self, shapes: dict[str, tuple]):
+        self.shapes = dict(shapes)
+        self.sum_keys = [k for k in shapes if not k.startswith("max:")]
+        self.max_keys = [k for k in shapes if k.startswith("max:")]
+        size = {k: math.prod(v) for k, v in shapes.items()}
+        self.sums = np.zeros(sum(size[k] for k in self.sum_keys) + 1)  # + failed ranks
+        self.maxes = np.zeros(sum(size[k] for k in self.max_keys) + 2)  # + ±step
+        self.vote = np.zeros(4)  # StepPipeline's vote: [failed, hash, -hash, -source]
+        self.sums_t, self.maxes_t, self.vote_t = (torch.from_numpy(a) for a in (
+            self.sums, self.maxes, self.vote))
+
+
 def exchange(monitor: MonitorGroup | None, sums: dict[str, torch.Tensor] | None,
              maxes: dict[str, torch.Tensor] | None, shapes: dict[str, tuple], *,
-             step: int) -> Reduced:
+             step: int, buffers: Buffers | None = None) -> Reduced:
     """One SUM and one MAX all_reduce of a monitored step, issued whatever failed.
 
     `shapes` names every summed and maxed tensor and its shape (the same on every rank:
     it comes from the watched model, never from what was measured). `sums`/`maxes` None
     means this rank's local stage failed: it contributes zeros and -inf and counts
-    itself in `failed_ranks`. Returns float64 CPU tensors."""
+    itself in `failed_ranks`. `buffers`: the watcher's (new ones if None)."""
+    buf = buffers if buffers is not None else Buffers(shapes)
     failed, error = sums is None or maxes is None, None
-    sum_keys = [k for k in shapes if not k.startswith("max:")]
-    max_keys = [k for k in shapes if k.startswith("max:")]
-    try:
-        s_vec = _pack(None if failed else sums, sum_keys, shapes, 0.0, strip="")
-        m_vec = _pack(None if failed else maxes, max_keys, shapes, -math.inf, strip="max:")
-    except Exception as e:  # still take part, with the fills of a failed rank
-        failed, error = True, e
-        s_vec = _pack(None, sum_keys, shapes, 0.0, strip="")
-        m_vec = _pack(None, max_keys, shapes, -math.inf, strip="max:")
-    s_vec = torch.cat([s_vec, torch.tensor([float(failed)], dtype=torch.float64)])
-    m_vec = torch.cat([m_vec, torch.tensor([float(step), -float(step)], dtype=torch.float64)])
+    if not failed:
+        try:
+            buf.sums[:-1] = _pack(sums, buf.sum_keys, shapes, strip="").numpy()
+            buf.maxes[:-2] = _pack(maxes, buf.max_keys, shapes, strip="max:").numpy()
+        except Exception as e:  # still take part, with the fills of a failed rank
+            failed, error = True, e
+    if failed:
+        buf.sums[:-1], buf.maxes[:-2] = 0.0, -math.inf
+    buf.sums[-1] = float(failed)
+    buf.maxes[-2:] = (float(step), -float(step))
     if monitor is not None:
-        monitor.all_reduce_(s_vec, "sum")
-        monitor.all_reduce_(m_vec, "max")
-    return Reduced(sums=_unpack(s_vec, sum_keys, shapes, strip=""),
-                   maxes=_unpack(m_vec, max_keys, shapes, strip="max:"),
-                   failed_ranks=int(s_vec[-1]), steps=(int(-m_vec[-1]), int(m_vec[-2])),
-                   local_error=error)
+        monitor.all_reduce_(buf.sums_t, "sum")
+        monitor.all_reduce_(buf.maxes_t, "max")
+    return Reduced(sums=_unpack(buf.sums, buf.sum_keys, shapes, strip=""),
+                   maxes=_unpack(buf.maxes, buf.max_keys, shapes, strip="max:"),
+                   failed_ranks=int(buf.sums[-1]),
+                   steps=(int(-buf.maxes[-1]), int(buf.maxes[-2])), local_error=error)
 
 
-def _pack(values, keys, shapes, fill, strip) -> torch.Tensor:
-    size = sum(math.prod(shapes[k]) for k in keys)
-    if values is None:
-        return torch.full((size,), fill, dtype=torch.float64)
+def _pack(values, keys, shapes, strip) -> torch.Tensor:
     parts = []
     for k in keys:
         t = values[k.removeprefix(strip) if strip else k]
@@ -182,11 +199,12 @@ def _pack(values, keys, shapes, fill, strip) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
-def _unpack(vec, keys, shapes, strip) -> dict[str, torch.Tensor]:
+def _unpack(vec: np.ndarray, keys, shapes, strip) -> dict[str, np.ndarray]:
+    """Copies (numpy only): the buffers are reused by the next exchange."""
     out, i = {}, 0
     for k in keys:
         n = math.prod(shapes[k])
-        out[k.removeprefix(strip) if strip else k] = vec[i:i + n].view(shapes[k])
+        out[k.removeprefix(strip) if strip else k] = vec[i:i + n].reshape(shapes[k]).copy()
         i += n
     return out
 
@@ -210,8 +228,9 @@ def all_reduce(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
     out = []
     for group, op in ((sums, "sum"), (maxes, "max")):
         shapes = {k: tuple(t.shape) for k, t in group.items()}
-        vec = _pack(group, list(group), shapes, 0.0, strip="") if group else None
+        vec = _pack(group, list(group), shapes, strip="") if group else None
         if vec is not None and monitor is not None:
             monitor.all_reduce_(vec, op)
-        out.append({} if vec is None else _unpack(vec, list(group), shapes, strip=""))
+        out.append({} if vec is None else {k: torch.from_numpy(v) for k, v in _unpack(
+            vec.numpy(), list(group), shapes, strip="").items()})
     return out[0], out[1]

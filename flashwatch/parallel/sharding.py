@@ -24,10 +24,12 @@ process holds whole use `gram_norm` (no iteration, no warm start).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
 from flashwatch.signals.spectral import (
+    COLD_START_MAX_ITERS,
     DEFAULT_SEED,
     WARM_MAX_ITERS,
     gram_norm,
@@ -82,8 +84,9 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
             out[i] = symmetric_sharded_norm(site, v, iters, monitor, **kwargs)
             continue
         try:
-            if is_dtensor(site.wq_source()):
-                out[i] = spectral_norm(site, v, iters, **kwargs)
+            if is_dtensor(site.wq_source()):  # a sharded view, gathered (a collective)
+                with torch.no_grad():
+                    out[i] = spectral_norm(site, v, iters, **kwargs)
                 continue
             w = site.wq()  # a view: upcast once per batch, in gram_norm
             groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append((i, w))
@@ -96,7 +99,8 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
         for lo in range(0, len(members), per):
             batch = members[lo:lo + per]
             try:
-                sigma, v = gram_norm(torch.cat([w for _, w in batch]))
+                with torch.no_grad():
+                    sigma, v = gram_norm(torch.cat([w for _, w in batch]))
                 sizes = [w.shape[0] for _, w in batch]
                 for (i, _), s_i, v_i in zip(batch, sigma.split(sizes), v.split(sizes),
                                             strict=True):
@@ -140,12 +144,99 @@ def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **k
         rows, head = torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64)
     host = monitor is not None and monitor.distributed and monitor.covers(group)
     try:
-        got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
-                                      group=monitor.group if host else group,
-                                      failed=error is not None, host=host, **kwargs)
+        if host:  # every rank runs the same iterations, whatever raises between them
+            got = host_power_iteration(rows, head, site.num_heads, site.d_model, v, iters,
+                                       group=monitor.group, failed=error is not None,
+                                       **kwargs)
+        else:
+            got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
+                                          group=group, failed=error is not None, **kwargs)
     except Exception as e:
         got = e
     return error if error is not None else got
+
+
+# The host vectors of host_power_iteration by (heads, d_model, seed): made on a site's
+# first sharded norm, then reused, so that no torch call stands between two of its
+# collectives (one site at a time: a monitored step computes its norms in turn).
+_HOST_BUFFERS: dict = {}
+
+
+def _host_buffers(H: int, b: int, seed: int):
+    got = _HOST_BUFFERS.get((H, b, seed))
+    if got is None:
+        vec = np.zeros(H * b + H + 1)
+        start = start_vector(H, b, seed=seed, dtype=torch.float64).numpy()
+        got = _HOST_BUFFERS[(H, b, seed)] = (vec, torch.from_numpy(vec), start)
+    return got
+
+
+def host_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
+                         d_model: int, v: torch.Tensor | None, iters: int,
+                         tol: float = 1e-6, *,
+                         group, seed: int = DEFAULT_SEED, max_iters: int = WARM_MAX_ITERS,
+                         failed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sharded_power_iteration` on the monitor's gloo group, as a schedule no local
+    failure can change: every step all_reduces one float64 host vector [Σ W_rᵀ u_r (H·b),
+    ‖u‖² (H), failed ranks] that this rank fills with torch where it can (numpy zeros and
+    its flag up where that raised), and everything that decides whether another step
+    follows (the flag, σ, the stopping test, the next v) is numpy on the reduced vector:
+    the same numbers, hence the same decision, on every rank. Raises this rank's own
+    error, or RemoteFailure, once a step carried a flag: on every rank after the same
+    step. Returns (σ [H], v [H, b]) like `spectral.power_iteration` (NaN: not finite)."""
+    import torch.distributed as dist
+
+    H, b = num_heads, d_model
+    buf, buf_t, start = _host_buffers(H, b, seed)
+    errors: list = []
+    try:  # the warm start: v normalised, seeded where it is unusable
+        with torch.no_grad():
+            vn = start if v is None else v.detach().to("cpu", torch.float64).numpy().copy()
+    except Exception as e:
+        errors.append(e)
+        vn = start
+    norms = np.linalg.norm(vn, axis=1, keepdims=True)
+    bad = ~np.isfinite(vn).all(axis=1) | (norms[:, 0] == 0)
+    vn = np.where(bad[:, None], start, vn / np.maximum(norms, 1e-300))
+
+    def step(vn):  # the reduced (WᵀW v [H, b], ‖W v‖² [H]); a flag stops every rank
+        ok = not failed and not errors
+        if ok:
+            try:
+                with torch.no_grad():
+                    v_dev = torch.from_numpy(vn).to(rows.device, rows.dtype)
+                    buf[:-1] = local_power_step(rows, head, v_dev, H).double().cpu().numpy()
+            except Exception as e:
+                errors.append(e)
+                ok = False
+        if not ok:
+            buf[:] = 0.0
+        buf[-1] = 0.0 if ok else 1.0
+        dist.all_reduce(buf_t, group=group)
+        if buf[-1] > 0:
+            if errors:
+                raise errors[0]
+            raise RemoteFailure(f"{int(buf[-1])} rank(s) failed in the sharded power "
+                                f"iteration")
+        return buf[:H * b].reshape(H, b).copy(), buf[H * b:H * b + H].copy()
+
+    cold = v is None
+    sigma = np.zeros(H)
+    for i in range(COLD_START_MAX_ITERS if cold else max(iters, max_iters)):
+        w, usq = step(vn)
+        new_sigma = np.sqrt(usq)
+        w_norm = np.linalg.norm(w, axis=1, keepdims=True)
+        vn = np.where(w_norm > 0, w / np.maximum(w_norm, 1e-300), vn)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            change = np.abs(new_sigma - sigma) / np.maximum(new_sigma, 1e-300)
+        sigma = new_sigma
+        if (cold or i + 1 >= iters) and (change[np.isfinite(change)] < tol).all():
+            break
+    sigma = np.sqrt(step(vn)[1])  # the last v is a half-step ahead: its σ
+    finite = np.isfinite(sigma) & np.isfinite(vn).all(axis=1)
+    sigma = np.where(finite, sigma, np.nan)
+    vn = np.where(finite[:, None], vn, start)
+    return torch.from_numpy(sigma), torch.from_numpy(vn).float()
 
 
 BATCH_BYTES = 64 << 20  # GPT-2 Small: all 12 layers' W^Q (28 MB) in one batch

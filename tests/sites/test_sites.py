@@ -223,6 +223,11 @@ def test_torchtitan_llama_attention_is_discovered_and_measured_per_head():
     model(tokens).square().mean().backward()
     report = w.step()
     w.remove()
+    with torch.no_grad():
+        _check_titan_heads(model, tokens, report)
+
+
+def _check_titan_heads(model, tokens, report):
     x = model.tok_embeddings.weight.double()[tokens]
     for i, blk in model.layers.items():
         att = blk["attention"]
