@@ -9,9 +9,11 @@ the same table from them:
 
 - the layers in the order they are first held (rank 0's in its order, then the names
   only rank 1 holds, ...): the model's order under PP, a rank's own order under DP;
-- for each layer, its global head count and the ranks that hold it (`holders`): every
-  rank under DDP and FSDP2 (replicas: their numbers are summed and scaled by the holder
-  count), one stage under PP (placed: the other ranks contribute fills);
+- for each layer, its global head count, and for each head the number of ranks that
+  hold it (`holders`): every rank under DDP and FSDP2 (replicas: their numbers are
+  summed and scaled by the holder count), one stage under PP (placed: the other ranks
+  contribute fills); a rank may hold a range of a layer's heads (tensor parallelism:
+  its heads sit at their global indices);
 - a name held by two ranks must have the same head count on both, or attach fails on
   every rank with the names and counts (never a silent mix).
 
@@ -30,8 +32,9 @@ import torch
 
 @dataclass(frozen=True)
 class HeadTable:
-    """The job's watched layers: `layers[i] = (name, num_heads)`, `holders[i]` = how many
-    ranks hold layer i. The same object on every rank."""
+    """The job's watched layers: `layers[i] = (name, num_heads)` (global heads) and, per
+    global head, how many ranks hold it (`holders`, in table order). The same object on
+    every rank."""
 
     layers: tuple[tuple[str, int], ...]
     holders: tuple[int, ...]
@@ -42,15 +45,15 @@ class HeadTable:
 
     @property
     def keys(self) -> list[tuple[str, int]]:
-        """(layer name, head) of every global head, in table order."""
+        """(layer name, global head) of every head, in table order."""
         return [(name, h) for name, heads in self.layers for h in range(heads)]
 
-    def offset(self, name: str) -> int:
-        """Index of `name`'s head 0 in the table's per-head arrays."""
+    def offset(self, name: str, first_head: int = 0) -> int:
+        """Index of `name`'s head `first_head` in the table's per-head arrays."""
         at = 0
         for layer, heads in self.layers:
             if layer == name:
-                return at
+                return at + first_head
             at += heads
         raise KeyError(f"layer {name!r} is not in the head table")
 
@@ -59,40 +62,56 @@ class HeadTable:
 
     def head_holders(self) -> torch.Tensor:
         """[n] float64: how many ranks hold each head (its replica count)."""
-        return torch.tensor([float(r) for (_, h), r in zip(self.layers, self.holders,
-                                                           strict=True) for _ in range(h)],
-                            dtype=torch.float64)
+        return torch.tensor([float(r) for r in self.holders], dtype=torch.float64)
 
 
-def build(per_rank: list[list[tuple[str, int]]]) -> HeadTable:
-    """The table from every rank's [(layer name, num_heads)] (rank order). Raises
-    ValueError, naming the layer and the ranks, where ranks disagree on a layer's heads
-    or a rank lists a layer twice."""
+def build(per_rank: list[list[tuple]]) -> HeadTable:
+    """The table from every rank's layers, in rank order: (name, num_heads) for a whole
+    layer, or (name, num_heads, first_head, local_heads) for the heads [first_head,
+    first_head + local_heads) of a layer of num_heads global heads that the rank holds
+    (tensor parallelism: whole heads per rank). Raises ValueError, naming the layer and
+    the ranks, where ranks disagree on a layer's global head count, a rank lists a layer
+    twice, a range falls outside the layer, or some head is held by no rank."""
     order: list[str] = []
     heads: dict[str, int] = {}
-    held_by: dict[str, list[int]] = {}
+    first_rank: dict[str, int] = {}
+    held: dict[str, list[int]] = {}
     for rank, layers in enumerate(per_rank):
         seen = set()
-        for name, h in layers:
+        for entry in layers:
+            name, h = entry[0], entry[1]
+            first, count = (entry[2], entry[3]) if len(entry) == 4 else (0, h)
             if name in seen:
                 raise ValueError(f"flashwatch.watch: rank {rank} watches layer {name!r} "
                                  f"twice; list each attention module once")
             seen.add(name)
             if name not in heads:
                 order.append(name)
-                heads[name] = h
+                heads[name], first_rank[name] = h, rank
+                held[name] = [0] * h
             elif heads[name] != h:
                 raise ValueError(
                     f"flashwatch.watch: layer {name!r} has {heads[name]} heads on rank "
-                    f"{held_by[name][0]} but {h} on rank {rank}; ranks that hold the same "
-                    f"layer must watch it with the same head count (under tensor "
-                    f"parallelism, give each rank's local heads)")
-            held_by.setdefault(name, []).append(rank)
+                    f"{first_rank[name]} but {h} on rank {rank}; ranks that hold the same "
+                    f"layer must agree on its global head count (under tensor "
+                    f"parallelism each rank holds a range of them)")
+            if not 0 <= first < first + count <= h:
+                raise ValueError(f"flashwatch.watch: rank {rank} holds heads "
+                                 f"{first}..{first + count - 1} of layer {name!r}, which "
+                                 f"has {h}")
+            for j in range(first, first + count):
+                held[name][j] += 1
+    for name in order:
+        missing = [j for j, r in enumerate(held[name]) if r == 0]
+        if missing:
+            raise ValueError(f"flashwatch.watch: heads {missing} of layer {name!r} are held "
+                             f"by no rank; every rank that holds part of a layer must "
+                             f"watch it")
     return HeadTable(layers=tuple((name, heads[name]) for name in order),
-                     holders=tuple(len(held_by[name]) for name in order))
+                     holders=tuple(r for name in order for r in held[name]))
 
 
-def gather(monitor, local: list[tuple[str, int]]) -> HeadTable:
+def gather(monitor, local: list[tuple]) -> HeadTable:
     """Every rank's layers through the monitor's group (one all_gather_object at attach;
     none without torch.distributed or with one rank)."""
     if not monitor.distributed:
@@ -100,5 +119,5 @@ def gather(monitor, local: list[tuple[str, int]]) -> HeadTable:
     import torch.distributed as dist
 
     per_rank: list = [None] * monitor.world
-    dist.all_gather_object(per_rank, list(local), group=monitor.group)
-    return build([[(str(n), int(h)) for n, h in layers] for layers in per_rank])
+    dist.all_gather_object(per_rank, [tuple(e) for e in local], group=monitor.group)
+    return build([[(str(e[0]), *map(int, e[1:])) for e in layers] for layers in per_rank])
