@@ -53,7 +53,7 @@ def _layer_states(sites, sketch_dim: int, seed: int, table: HeadTable) -> list[L
     ones and pipeline stages draw different ones."""
     out = []
     for site in sites:
-        offset, i = table.offset(site.name), table.index(site.name)
+        offset, i = table.offset(site.name, site.head_offset), table.index(site.name)
         g = torch.Generator().manual_seed(seed * 1_000_003 + i)
         k = sketch_dim  # Gaussian sketches scaled so z and y keep the norms of X and PK
         st = LayerState(site=site, offset=offset,
@@ -104,7 +104,8 @@ class Watcher:
         monitor = reduce.MonitorGroup(cfg.collective_timeout_s)
         monitor.check_same(sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
         # Every rank's layers by name: one table of global heads (flashwatch/parallel/layout.py)
-        self.head_table = layout.gather(monitor, [(s.name, s.num_heads) for s in self.sites])
+        self.head_table = layout.gather(monitor, [(s.name, s.layer_heads, s.head_offset,
+                                                   s.num_heads) for s in self.sites])
         if not self.head_table.layers:
             raise NoAttentionLayers("flashwatch.watch: no rank of the job holds an attention "
                                     "layer flashwatch recognises; pass sites=... (see "

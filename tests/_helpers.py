@@ -479,3 +479,23 @@ def gloo_ranks(worker, world: int, out, timeout_s: float = 900) -> list:
     while not ctx.join(timeout=timeout_s):
         pass
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def on_mesh(rank: int, world: int, init_file: str, out_dir: str, jobs) -> None:
+    """A gloo rank's body for `gloo_ranks`: init the process group and a 1-D CPU mesh,
+    run jobs(mesh) -> [(key, thunk)] in order, saving {key: thunk()} to
+    out_dir/rank<r>.pt after each (what ran so far survives a later hang)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for key, thunk in jobs(mesh):
+        results[key] = thunk()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()

@@ -37,6 +37,7 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 DIST_DIR = os.path.join(TORCH_DIR, "distributed") + os.sep
 MODEL_FILE = os.path.join(FW_DIR, "nanogpt.py")  # the model trained here, not the monitor
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
+KINDS = ("ddp", "fsdp2", "tp")
 WARMUP = 2  # steps before the sweep: the first monitored step's one-time work is done
 
 
@@ -75,6 +76,20 @@ def _model(kind: str, mesh):
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if kind == "tp":  # heads split over the 2 ranks (torchtitan's plan), no QK-clip
+        from scaled_heads import N_LAYERS, Stage, full_model
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+        for blk in model.layers.values():
+            parallelize_module(blk.attention, mesh, {
+                "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        return model
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))
     if kind == "fsdp2":
@@ -85,10 +100,15 @@ def _model(kind: str, mesh):
 
 
 def _train_step(model, opt, w, i: int, rank: int):
-    g = torch.Generator().manual_seed(100 * i + rank)
+    tp = not isinstance(getattr(model, "module", model), GPT)  # TP ranks share a batch
+    g = torch.Generator().manual_seed(100 * i + (0 if tp else rank))
     idx = torch.randint(0, SMALL["vocab_size"], (4, 17), generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss = model(idx[:, :-1], idx[:, 1:])
+        if tp:
+            loss = F.cross_entropy(model(idx[:, :-1]).float().reshape(
+                -1, SMALL["vocab_size"]), idx[:, 1:].reshape(-1))
+        else:
+            _, loss = model(idx[:, :-1], idx[:, 1:])
     loss.backward()
     opt.step()
     opt.zero_grad()
@@ -102,7 +122,8 @@ def sweep(rank: int, kind: str, mesh, points: str, out_path: str | None = None) 
 
     model = _model(kind, mesh)
     w = fw.watch(model, every_n_steps=1, rows_per_head=8, mitigation="auto",
-                 qk_clip_threshold=50.0, collective_timeout_s=60.0)
+                 qk_clip_threshold=None if kind == "tp" else 50.0,
+                 collective_timeout_s=60.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
     for _ in range(WARMUP):
@@ -136,7 +157,7 @@ def sweep(rank: int, kind: str, mesh, points: str, out_path: str | None = None) 
         except Exception as e:  # reached the training loop: the run would be down
             escaped, report = f"{type(e).__name__}: {e}", None
         step += 1
-        modes = torch.cat([st.modes for st in w.layer_states]).tolist()
+        modes = w._pipeline.global_modes().tolist()  # every head of the job (TP: not local)
         out["points"].append(dict(
             n=n, fired=inject.fired if inject else None, escaped=escaped,
             errors=w.monitor_errors_total - before, step=w.step_count, modes=modes,
@@ -184,24 +205,16 @@ def check(r0: dict, r1: dict) -> list[str]:
     return bad
 
 
-def _worker(rank, world, init_file, out_dir, kinds=("ddp", "fsdp2"), points="every:1"):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank, world, init_file, out_dir, kinds=KINDS, points="every:1"):
+    from _helpers import on_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    for kind in kinds:
-        results[kind] = sweep(rank, kind, mesh, points)
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    on_mesh(rank, world, init_file, out_dir, lambda mesh: [
+        (kind, functools.partial(sweep, rank, kind, mesh, points)) for kind in kinds])
 
 
 def worker_every(k: int):
-    """The worker for tests/parallel/test_faults.py: DDP and FSDP2, every k-th call."""
-    return functools.partial(_worker, kinds=("ddp", "fsdp2"), points=f"every:{k}")
+    """The worker for tests/parallel/test_faults.py: DDP, FSDP2 and TP, every k-th call."""
+    return functools.partial(_worker, kinds=KINDS, points=f"every:{k}")
 
 
 if __name__ == "__main__":
@@ -213,7 +226,7 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--points", default="all", help='"all" or "every:K"')
-    p.add_argument("--kinds", default="ddp,fsdp2")
+    p.add_argument("--kinds", default=",".join(KINDS))
     args = p.parse_args()
     out = Path(tempfile.mkdtemp())
     kinds = tuple(args.kinds.split(","))

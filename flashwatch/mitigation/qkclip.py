@@ -290,6 +290,12 @@ def kv_factors(eta: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def check_site(site: AttentionSite) -> None:
     """Raise ValueError when QK-clip cannot scale this site's K weight."""
+    if site.global_heads is not None:
+        raise ValueError(
+            f"qk_clip_threshold is set but site {site.name!r} is split by tensor "
+            f"parallelism (heads {site.head_offset}..{site.head_offset + site.num_heads - 1}"
+            f" of {site.global_heads} on this rank), where QK-clip does not scale the local "
+            f"shards yet; leave qk_clip_threshold None (docs/limits.md)")
     if site.k_module is None or site.k_index is None or site.q_index is None:
         raise ValueError(
             f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r}: QK-clip "

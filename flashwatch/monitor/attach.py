@@ -274,7 +274,9 @@ class Attachment:
                 return  # traced into a graph, X comes from flashwatch/monitor/traced.py's mode; an
                 # assignment here would be replayed after the graph and outlive the step
             if rec.cadence.measuring and not rec.cadence.removed and args:
-                st.buf.x = args[0]  # a reference only; rows are taken at the attention call
+                x = args[0]  # a reference only; rows are taken at the attention call
+                # a tensor-parallel q_proj's own hook made it a replicated DTensor
+                st.buf.x = x.to_local() if callable(getattr(x, "to_local", None)) else x
                 if getattr(module, "weight", None) is not st.wq_hooked:
                     try:  # the weight was replaced (fully_shard): hook the new one
                         self._hook_wq_grad(st)

@@ -293,6 +293,8 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
+    if site.global_heads is not None and is_dtensor(grad):  # TP: this rank's own heads
+        grad = grad.to_local()
     if not is_dtensor(grad):
         g = q_rows(site, grad.detach()).float().reshape(H, D, -1)
         return g.square().sum((1, 2)).double(), False

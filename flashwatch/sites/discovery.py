@@ -12,7 +12,7 @@ from torch import nn
 
 from flashwatch.sites import layouts
 from flashwatch.sites.site import AttentionSite
-from flashwatch.sites.weights import rows_at, rows_of
+from flashwatch.sites.weights import local_rows, rows_at, rows_of, tensor_parallel
 
 # Where head counts live, in the order they are tried: on the module first, then on its
 # `config`. The module wins because under tensor parallelism it holds the local (sharded)
@@ -134,6 +134,9 @@ def _match_separate(name, module, names, projs, where, rejected) -> AttentionSit
         rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
         return None
     q_proj, k_proj, v_proj = projs
+    tp = tensor_parallel(q_proj)
+    if tp is not None:
+        return _match_tensor_parallel(name, module, names, projs, where, tp)
     H = _lookup_int(module, HEAD_ATTRS)
     D = _lookup_int(module, HEAD_DIM_ATTRS)
     if H is None and D is not None and q_proj.out_features % D == 0:
@@ -163,6 +166,34 @@ def _match_separate(name, module, names, projs, where, rejected) -> AttentionSit
         q_slice_of_output=None, wq_source=rows_at(q_proj, q_idx), q_index=q_idx,
         layout=layout, k_module=k_proj, k_index=torch.arange(Hkv * D),
     )
+
+
+def _match_tensor_parallel(name, module, names, projs, where, tp) -> AttentionSite:
+    """Q, K, V Linears split by ColwiseParallel (torchtitan's and PyTorch's TP plans, HF
+    tp_plan): this rank's site holds its whole local heads, global heads
+    [rank · H_local, (rank + 1) · H_local). The module's head count may be the global or
+    the local one (both styles exist): the channel width decides, with head_dim."""
+    q_proj, k_proj, v_proj = projs
+    rank, size = tp
+    H_attr, D = _lookup_int(module, HEAD_ATTRS), _lookup_int(module, HEAD_DIM_ATTRS)
+    channels = q_proj.out_features  # the global width (the Linear's own attribute)
+    if D is None and H_attr is not None:
+        D = channels // H_attr if channels % H_attr == 0 else None
+    if D is None or channels % D or k_proj.out_features % D:
+        raise ValueError(f"{where}: tensor-parallel {names[0]} ({channels} outputs over "
+                         f"{size} ranks) needs the module's head_dim or head count; pass "
+                         f"this site explicitly with sites={{name: dict(num_heads=..., "
+                         f"head_dim=...)}}")
+    H, Hkv = channels // D, k_proj.out_features // D
+    if H % size or Hkv % size:
+        raise ValueError(f"{where}: {H} query and {Hkv} key/value heads do not split into "
+                         f"whole heads over {size} tensor-parallel ranks")
+    h, hkv = H // size, Hkv // size
+    return AttentionSite(
+        name=name, module=module, num_heads=h, num_kv_heads=hkv, head_dim=D,
+        d_model=q_proj.in_features, q_module=q_proj, kind="hf", q_slice_of_output=(0, h * D),
+        wq_source=local_rows(q_proj, h * D), layout="q", k_module=k_proj,
+        k_index=torch.arange(hkv * D), global_heads=H, head_offset=rank * h)
 
 
 def _lookup_int(module: nn.Module, attrs: Sequence[str]) -> int | None:

@@ -73,6 +73,10 @@ class AttentionSite:
     layout: the name of that layout, for messages (flashwatch.sites.layouts.LAYOUTS).
     k_module, k_index: the module computing K and its K channels ([Hkv * head_dim],
       head-major), when known (QK-clip scales them); None for explicit sites.
+    global_heads, head_offset: under tensor parallelism the site is this rank's part
+      of the layer: num_heads (and num_kv_heads, q_index, W^Q) are its local heads, which
+      are heads [head_offset, head_offset + num_heads) of the layer's global_heads.
+      None and 0 otherwise.
     """
 
     name: str
@@ -89,6 +93,13 @@ class AttentionSite:
     layout: str = "q"
     k_module: nn.Module | None = field(default=None, repr=False)
     k_index: torch.Tensor | None = field(default=None, repr=False)
+    global_heads: int | None = None
+    head_offset: int = 0
+
+    @property
+    def layer_heads(self) -> int:
+        """The layer's head count across the job (its local heads without TP)."""
+        return self.num_heads if self.global_heads is None else self.global_heads
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):

@@ -30,7 +30,13 @@ def gathered(t: torch.Tensor) -> torch.Tensor:
 
 def plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """module's forward, on gathered copies of its DTensor parameters if it has any:
-    outside its FSDP2 forward a sharded module cannot mix them with a plain input."""
+    outside its FSDP2 forward a sharded module cannot mix them with a plain input. A
+    tensor-parallel Linear gives this rank's channels, which its local W^Q rows describe
+    (computed from its local shards, without its hooks)."""
+    if tensor_parallel(module) is not None:
+        w, bias = module.weight, module.bias
+        return lambda x: torch.nn.functional.linear(
+            x, w.to_local(), None if bias is None else bias.to_local())
     params = dict(module.named_parameters())
     if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
         return module
@@ -84,4 +90,29 @@ def rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tens
         return w.index_select(0, index.to(w.device))
 
     rows.rows_index = (q_module, index)
+    return rows
+
+
+def tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
+    """(this rank's index, TP size) when `linear` is an nn.Linear split by
+    torch.distributed.tensor.parallel's ColwiseParallel on a 1-D mesh (its weight a
+    DTensor Shard(0), its forward hooked by distribute_module: FSDP2's shards, also
+    Shard(0), hook the FSDP module, never the Linear); else None."""
+    w = getattr(linear, "weight", None)
+    if not (callable(getattr(w, "to_local", None)) and hasattr(w, "placements")):
+        return None
+    hooked = any("distribute_module" in getattr(h, "__qualname__", "")
+                 for h in getattr(linear, "_forward_pre_hooks", {}).values())
+    placements = tuple(w.placements)
+    if not hooked or len(placements) != 1 or not placements[0].is_shard(0):
+        return None
+    mesh = w.device_mesh
+    return mesh.get_local_rank(0), mesh.size(0)
+
+
+def local_rows(linear: nn.Linear, stop: int) -> Callable[[], torch.Tensor]:
+    """Getter for rows [0, stop) of this rank's shard of a tensor-parallel Linear's weight
+    (its local heads' channels), read on every call."""
+    def rows() -> torch.Tensor:
+        return linear.weight.to_local()[:stop]
     return rows

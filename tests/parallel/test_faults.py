@@ -15,12 +15,12 @@ size") or time out in DDP's next gradient all_reduce.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 
 import pytest
 import torch
-from _helpers import gloo_ranks
+from _helpers import gloo_ranks, on_mesh
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
@@ -193,22 +193,10 @@ def _run_scenario(scenario, kind, rank, mesh):
 
 
 def _worker(rank, world, init_file, out_dir):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    results = {}
-    for kind, scenarios in (("ddp", DDP_SCENARIOS), ("fsdp2", FSDP2_SCENARIOS)):
-        for scenario in scenarios:
-            results[(kind, scenario)] = _run_scenario(scenario, kind, rank, mesh)
-            torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))  # so far
-    import gc
-
-    gc.collect()
-    dist.destroy_process_group()
+    on_mesh(rank, world, init_file, out_dir, lambda mesh: [
+        ((kind, scenario), functools.partial(_run_scenario, scenario, kind, rank, mesh))
+        for kind, scenarios in (("ddp", DDP_SCENARIOS), ("fsdp2", FSDP2_SCENARIOS))
+        for scenario in scenarios])
 
 
 @pytest.fixture(scope="module")
@@ -276,28 +264,28 @@ def test_a_failure_on_rank_0_heals_both_ranks_to_rank_1_the_only_healthy_one(res
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """tests/fault_sweep.py on 2 gloo ranks, every 2nd torch call of a monitored step
+    """tests/fault_sweep.py on 2 gloo ranks, every 3rd torch call of a monitored step
     (the first and the last included); `python tests/fault_sweep.py` runs every call."""
     import fault_sweep
 
-    return gloo_ranks(fault_sweep.worker_every(2), 2, tmp_path_factory.mktemp("sweep"))
+    return gloo_ranks(fault_sweep.worker_every(3), 2, tmp_path_factory.mktemp("sweep"))
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "tp"])
 def test_a_failure_at_any_torch_call_of_a_monitored_step_leaves_both_ranks_training(
         sweep, kind):
     """Rank 1 raises at one torch call of flashwatch's own code per step (forward probe,
     backward hooks, step(): 867 calls under DDP, 1,278 under FSDP2 with its sharded
-    power iteration), rank 0 never: both ranks train every step to the end, nothing
-    reaches the training loop, the error is counted on rank 1 only, the step counts and
-    the head modes stay equal, the monitor's group never breaks, rank 0 reports every
-    step."""
+    power iteration, 1,262 under tensor parallelism), rank 0 never: both ranks train
+    every step to the end, nothing reaches the training loop, the error is counted on
+    rank 1 only, the step counts and every head's mode stay equal, the monitor's group
+    never breaks, rank 0 reports every step."""
     import fault_sweep
 
     r0, r1 = sweep[0][kind], sweep[1][kind]
     assert r1["calls"] > 500  # the counting step saw the whole monitored step
     fired = [p for p in r1["points"] if p["fired"]]
-    assert len(r1["points"]) >= r1["calls"] // 2 and len(fired) > 0.8 * len(r1["points"])
+    assert len(r1["points"]) >= r1["calls"] // 3 and len(fired) > 0.8 * len(r1["points"])
     # where the faults landed: the forward probe, the backward hooks and step() alike
     places = {p["fired"].split(" at ")[1].split(":")[0] for p in fired}
     assert {"monitor/probing.py", "monitor/monitored_step.py", "parallel/reduce.py"} <= places
