@@ -199,7 +199,8 @@ class QKClip:
                 k_text += f" (K head {h // group} shared: its group's smallest η " \
                           f"{_g(eta_k[h // group])})"
             events.append(Event(
-                step=step, layer=site.name, head=h, from_mode=mode, to_mode=mode,
+                step=step, layer=site.name, head=site.head_offset + h, from_mode=mode,
+                to_mode=mode,
                 reason=(f"[qk_clip] max logit {_g(max_logit[off + h])} > τ {_g(tau)}: "
                         f"η = {_g(e[h])}, W^Q × η^{_g(alpha)} = {_g(e[h] ** alpha)}, "
                         f"{k_text}"),
@@ -218,8 +219,9 @@ class QKClip:
         for h in heads:
             self.stopped[off + h] = True
             mode = Mode(int(modes[off + h]))
-            events.append(Event(step=step, layer=site.name, head=h, from_mode=mode,
-                                to_mode=mode, reason=why, applied=False, kind="qk_clip"))
+            events.append(Event(step=step, layer=site.name, head=site.head_offset + h,
+                                from_mode=mode, to_mode=mode, reason=why, applied=False,
+                                kind="qk_clip"))
         return events
 
     def stop_layer(self, step: int, layer: str, reason: str) -> list[Event]:
@@ -229,15 +231,18 @@ class QKClip:
             if site.name == layer and not bool(self.stopped[off:off + site.num_heads].all()):
                 self.stopped[off:off + site.num_heads] = True
                 self.pending[off:off + site.num_heads] = math.nan
-                return [Event(step=step, layer=layer, head=h, from_mode=Mode.STANDARD,
-                              to_mode=Mode.STANDARD, reason=f"[qk_clip] stopped: {reason}",
-                              applied=False, kind="qk_clip") for h in range(site.num_heads)]
+                return [Event(step=step, layer=layer, head=site.head_offset + h,
+                              from_mode=Mode.STANDARD, to_mode=Mode.STANDARD,
+                              reason=f"[qk_clip] stopped: {reason}", applied=False,
+                              kind="qk_clip") for h in range(site.num_heads)]
         return []
 
     def _where(self, i: int) -> tuple[AttentionSite, int]:
+        """The site holding table index i and the head's index in its layer (global:
+        under tensor parallelism the site's heads start at head_offset)."""
         for site, off in zip(self.sites, self.offsets, strict=True):
             if off <= i < off + site.num_heads:
-                return site, i - off
+                return site, site.head_offset + i - off
         raise IndexError(i)
 
     def state_dict(self) -> dict:
@@ -290,12 +295,6 @@ def kv_factors(eta: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def check_site(site: AttentionSite) -> None:
     """Raise ValueError when QK-clip cannot scale this site's K weight."""
-    if site.global_heads is not None:
-        raise ValueError(
-            f"qk_clip_threshold is set but site {site.name!r} is split by tensor "
-            f"parallelism (heads {site.head_offset}..{site.head_offset + site.num_heads - 1}"
-            f" of {site.global_heads} on this rank), where QK-clip does not scale the local "
-            f"shards yet; leave qk_clip_threshold None (docs/limits.md)")
     if site.k_module is None or site.k_index is None or site.q_index is None:
         raise ValueError(
             f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r}: QK-clip "
@@ -310,8 +309,12 @@ def scale_site(site: AttentionSite, eta: torch.Tensor, alpha: float) -> None:
     D = site.head_dim
     q_rows = (eta ** alpha).repeat_interleave(D)  # [H * D], head-major channels
     k_rows = (kv_factors(eta, site.num_kv_heads) ** (1 - alpha)).repeat_interleave(D)
-    _scale(site.q_module, site.q_index, q_rows)
-    _scale(site.k_module, site.k_index, k_rows)
+    q_index, k_index = site.q_index, site.k_index
+    if site.global_heads is not None:  # TP: local channels are global ones of this rank
+        kv_offset = site.head_offset * site.num_kv_heads // site.num_heads
+        q_index, k_index = q_index + site.head_offset * D, k_index + kv_offset * D
+    _scale(site.q_module, q_index, q_rows)
+    _scale(site.k_module, k_index, k_rows)
 
 
 def _scale(proj: nn.Module, index: torch.Tensor, factors: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ class StepPipeline:
         for h in range(st.site.num_heads):
             if int(new[h]) != int(st.modes[h]):
                 changed[st.offset + h] = True
-                event = Event(step=step, layer=st.site.name, head=h,
+                event = Event(step=step, layer=st.site.name, head=st.site.head_offset + h,
                               from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
                               reason="set by user", applied=True)
                 self.events.append(event)

@@ -24,6 +24,7 @@ from scaled_heads import EPS, N_LAYERS, VOCAB, H, Stage, batch, full_model, trut
 import flashwatch as fw
 
 STYLES = ("global_heads", "local_heads")
+TAU = 1.5  # QK-clip threshold between the heads' max logits (checked in the test)
 
 
 def _run(style: str, rank: int, mesh) -> dict:
@@ -61,11 +62,21 @@ def _run(style: str, rank: int, mesh) -> dict:
                  h.wq_spectral_norm, h.delta_error_rows) for h in r0.heads],
         modes1={(h.layer, h.head): int(h.head_mode) for h in r1.heads},
         unmitigable1=dict(r1.unmitigable))
-    try:  # QK-clip does not scale TP shards yet: refused by name at attach
-        fw.watch(model, config=fw.WatchConfig(qk_clip_threshold=1.0, mitigation="auto"))
-        out["qk_clip"] = None
-    except ValueError as e:
-        out["qk_clip"] = str(e)
+    w.remove()
+    # QK-clip at τ between the heads' max logits: each rank scales its own heads' rows
+    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all",
+                                              qk_clip_threshold=TAU, mitigation="auto",
+                                              collective_timeout_s=60))
+    before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()
+              if n.endswith(("q_proj.weight", "k_proj.weight"))}
+    tokens = batch(0)
+    F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+                    tokens[:, 1:].reshape(-1)).backward()
+    opt.zero_grad()
+    clips = [(e.layer, e.head) for e in w.step().events if e.kind == "qk_clip"]
+    out["clips"] = clips
+    out["ratios"] = {n: p.to_local().detach() / before[n] for n, p in model.named_parameters()
+                     if n in before}
     w.remove()
     return out
 
@@ -106,6 +117,24 @@ def test_a_mode_set_on_a_local_head_runs_on_its_global_head(results, style):
         assert "layers.1.attention" not in r["unmitigable1"]
 
 
-def test_qk_clip_is_refused_by_name_under_tensor_parallelism(results):
-    msg = results[0]["global_heads"]["qk_clip"]
-    assert msg is not None and "split by tensor parallelism" in msg and "layers.0" in msg
+@pytest.mark.parametrize("style", STYLES)
+def test_qk_clip_scales_each_heads_rows_on_the_rank_that_holds_them(results, style):
+    """τ = 1.5: the heads above it (by the FP64 truth at this step's weights) get their
+    q and k rows scaled by (τ/m)^0.5 on their own rank, every other row stays as it was;
+    each rank reports the clips of its own heads."""
+    truth = results[0][style]["truth"]
+    above = {k for k, t in truth.items() if t["max_logit"] > TAU}
+    assert 0 < len(above) < len(truth)
+    for rank in (0, 1):
+        r = results[rank][style]
+        mine = {(layer, h) for layer, h in above if 2 * rank <= h < 2 * rank + 2}
+        assert set(r["clips"]) == mine
+        for name, ratio in r["ratios"].items():
+            layer = name.split(".attention.")[0] + ".attention"
+            for local in range(2):
+                head = 2 * rank + local
+                want = (TAU / truth[(layer, head)]["max_logit"]) ** 0.5 \
+                    if (layer, head) in above else 1.0
+                got = ratio.view(2, -1)[local]
+                assert torch.allclose(got, torch.full_like(got, want), rtol=1e-5), (
+                    name, head)
