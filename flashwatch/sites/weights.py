@@ -104,7 +104,13 @@ def tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
     hooked = any("distribute_module" in getattr(h, "__qualname__", "")
                  for h in getattr(linear, "_forward_pre_hooks", {}).values())
     placements = tuple(w.placements)
-    if not hooked or len(placements) != 1 or not placements[0].is_shard(0):
+    if hooked and len(placements) > 1:
+        raise ValueError(
+            f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
+            f"is sharded on a {len(placements)}-D mesh ({placements}: FSDP2 × TP or "
+            f"HSDP × TP) is not supported yet; watch a TP-only (1-D mesh) model, or leave "
+            f"these layers out with sites=... (docs/limits.md)")
+    if not hooked or not placements[0].is_shard(0):
         return None
     mesh = w.device_mesh
     return mesh.get_local_rank(0), mesh.size(0)
