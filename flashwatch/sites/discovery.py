@@ -37,11 +37,12 @@ def discover(model: nn.Module) -> list[AttentionSite]:
     claimed: set[int] = set()  # ids of modules inside a found site
     rejected: list[str] = []  # near misses, named in the error if nothing is found
     searched = 0
+    fsdp = _under_fsdp(model)
     for name, module in model.named_modules():  # pre-order: parents before children
         if id(module) in claimed:
             continue
         searched += 1
-        site = _match(name, module, rejected)
+        site = _match(name, module, rejected, fsdp)
         if site is not None:
             found.append(site)
             claimed.update(id(m) for m in module.modules())
@@ -50,7 +51,18 @@ def discover(model: nn.Module) -> list[AttentionSite]:
     return found
 
 
-def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite | None:
+def _under_fsdp(model: nn.Module) -> set[int]:
+    """ids of the modules inside (or being) an FSDP2 fully_shard module, whose DTensor
+    weights are FSDP2's shards, not tensor parallelism's."""
+    out: set[int] = set()
+    for m in model.modules():
+        if id(m) not in out and any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
+            out.update(id(x) for x in m.modules())
+    return out
+
+
+def _match(name: str, module: nn.Module, rejected: list[str],
+           fsdp: set[int] = frozenset()) -> AttentionSite | None:
     children = module._modules  # direct children only: a block is not its attention
     where = f"module {name or '<root>'!r} ({type(module).__name__})"
     if children.get("c_attn") is not None:
@@ -61,7 +73,8 @@ def _match(name: str, module: nn.Module, rejected: list[str]) -> AttentionSite |
     for names in QKV_NAMES:
         projs = [children.get(p) for p in names]
         if any(p is not None for p in projs):
-            return _match_separate(name, module, names, projs, where, rejected)
+            return _match_separate(name, module, names, projs, where, rejected,
+                                   id(projs[0]) in fsdp)
     return None
 
 
@@ -126,7 +139,8 @@ def _match_fused(name, module, key, where, rejected) -> AttentionSite | None:
     )
 
 
-def _match_separate(name, module, names, projs, where, rejected) -> AttentionSite | None:
+def _match_separate(name, module, names, projs, where, rejected, under_fsdp=False
+                    ) -> AttentionSite | None:
     """Separate Q, K, V Linears (HF q_proj/k_proj/v_proj, BERT's query/key/value, T5's
     q/k/v); q_proj with 2·H·D outputs is Qwen3-Next's gated [q_h | gate_h] per head."""
     if not all(isinstance(p, nn.Linear) for p in projs):
@@ -134,8 +148,9 @@ def _match_separate(name, module, names, projs, where, rejected) -> AttentionSit
         rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
         return None
     q_proj, k_proj, v_proj = projs
-    tp = tensor_parallel(q_proj)
+    tp = tensor_parallel(q_proj, under_fsdp)
     if tp is not None:
+        tensor_parallel(k_proj, under_fsdp)  # its local rows are QK-clip's K
         return _match_tensor_parallel(name, module, names, projs, where, tp)
     H = _lookup_int(module, HEAD_ATTRS)
     D = _lookup_int(module, HEAD_DIM_ATTRS)

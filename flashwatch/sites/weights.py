@@ -9,6 +9,7 @@ weights through it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,7 +34,7 @@ def plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     outside its FSDP2 forward a sharded module cannot mix them with a plain input. A
     tensor-parallel Linear gives this rank's channels, which its local W^Q rows describe
     (computed from its local shards, without its hooks)."""
-    if tensor_parallel(module) is not None:
+    if module in _TP_LINEARS:
         w, bias = module.weight, module.bias
         return lambda x: torch.nn.functional.linear(
             x, w.to_local(), None if bias is None else bias.to_local())
@@ -93,25 +94,32 @@ def rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tens
     return rows
 
 
-def tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
-    """(this rank's index, TP size) when `linear` is an nn.Linear split by
-    torch.distributed.tensor.parallel's ColwiseParallel on a 1-D mesh (its weight a
-    DTensor Shard(0), its forward hooked by distribute_module: FSDP2's shards, also
-    Shard(0), hook the FSDP module, never the Linear); else None."""
+# The Linears discovery found split by tensor parallelism (plain_call runs them on their
+# local shards); weak, so a dropped model is not kept alive.
+_TP_LINEARS: weakref.WeakSet = weakref.WeakSet()
+
+
+def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, int] | None:
+    """(this rank's index, TP size) when `linear`'s weight is a DTensor sharded on dim 0
+    over a 1-D mesh by tensor parallelism (torch's ColwiseParallel, Hugging Face's
+    tp_plan "colwise"); else None. Under FSDP2 (`under_fsdp`: the Linear sits inside a
+    fully_shard module) such a weight is FSDP2's own shard, not TP, unless its forward is
+    hooked by torch's distribute_module too (FSDP2 × TP on a 2-D mesh: refused)."""
     w = getattr(linear, "weight", None)
     if not (callable(getattr(w, "to_local", None)) and hasattr(w, "placements")):
         return None
+    placements = tuple(w.placements)
     hooked = any("distribute_module" in getattr(h, "__qualname__", "")
                  for h in getattr(linear, "_forward_pre_hooks", {}).values())
-    placements = tuple(w.placements)
-    if hooked and len(placements) > 1:
+    if len(placements) > 1 and (hooked or not under_fsdp):
         raise ValueError(
             f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
             f"is sharded on a {len(placements)}-D mesh ({placements}: FSDP2 × TP or "
             f"HSDP × TP) is not supported yet; watch a TP-only (1-D mesh) model, or leave "
             f"these layers out with sites=... (docs/limits.md)")
-    if not hooked or not placements[0].is_shard(0):
+    if under_fsdp or not placements[0].is_shard(0):
         return None
+    _TP_LINEARS.add(linear)
     mesh = w.device_mesh
     return mesh.get_local_rank(0), mesh.size(0)
 

@@ -14,6 +14,7 @@ DTensor weights).
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -175,3 +176,70 @@ def test_fsdp2_x_tp_is_refused_by_name_on_every_rank(tmp_path):
     collective, naming the 2-D mesh (it used to fail calling q_proj on DTensor weights)."""
     for r in gloo_ranks(_fsdp_tp, 4, tmp_path):
         assert r["said"] is not None and "sharded on a 2-D mesh" in r["said"], r
+
+
+# --- Hugging Face from_pretrained(tp_plan="auto") ---------------------------------------
+
+
+def _hf_llama(path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # each head's W^Q its own scale
+        for i, layer in enumerate(model.model.layers):
+            w = layer.self_attn.q_proj.weight.view(4, -1, 32)
+            for h in range(4):
+                w[h] *= 1 + 0.5 * (4 * i + h)
+    model.save_pretrained(path)
+
+
+def _hf_heads(model) -> list:
+    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all",
+                                              collective_timeout_s=60))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(ids, labels=ids).loss.backward()
+    report = w.step()
+    errors = w.monitor_errors_total
+    w.remove()
+    return errors, [(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
+                     h.wq_spectral_norm) for h in report.heads]
+
+
+def _hf_tp(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    model = AutoModelForCausalLM.from_pretrained(f"{out_dir}/llama", tp_plan="auto",
+                                                 attn_implementation="sdpa")
+    errors, heads = _hf_heads(model)
+    torch.save({"errors": errors, "heads": heads}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_hugging_face_tp_plan_reports_what_one_process_reports(tmp_path):
+    """from_pretrained(tp_plan="auto") on 2 ranks (its colwise q/k/v are DTensors with
+    no torch hooks on the Linear): every head of both layers on both ranks, max logit and
+    ties over every row and W^Q σ equal to the same checkpoint run in one process. It
+    used to report NaN for every head (calls skipped as 2 heads, not the layer's 4)."""
+    from transformers import AutoModelForCausalLM
+
+    _hf_llama(tmp_path / "llama")
+    got = gloo_ranks(_hf_tp, 2, tmp_path)
+    errors, want = _hf_heads(AutoModelForCausalLM.from_pretrained(
+        tmp_path / "llama", attn_implementation="sdpa"))
+    assert errors == 0 and len(want) == 8
+    for r in got:
+        assert r["errors"] == 0
+        assert [h[:2] for h in r["heads"]] == [h[:2] for h in want]
+        for a, b in zip(r["heads"], want, strict=True):
+            assert a[2] == pytest.approx(b[2], rel=1e-5), (a, b)
+            assert a[3] == b[3], (a, b)
+            assert a[4] == pytest.approx(b[4], rel=1e-5), (a, b)
