@@ -70,8 +70,12 @@ def dashboard_files() -> dict[str, bytes]:
     flashwatch/dashboards/ (the one copy; the repository's dashboards/ is written from it)."""
     from importlib.resources import files
 
+    root = files("flashwatch") / "dashboards"
+    if not root.is_dir():
+        raise RuntimeError("flashwatch's package data flashwatch/dashboards/ is missing: "
+                           "reinstall flashwatch (pip install --force-reinstall flashwatch)")
     found: dict[str, bytes] = {}
-    pending = [(files("flashwatch") / "dashboards", "")]
+    pending = [(root, "")]
     while pending:
         folder, prefix = pending.pop()
         for entry in folder.iterdir():
@@ -79,9 +83,6 @@ def dashboard_files() -> dict[str, bytes]:
                 pending.append((entry, f"{prefix}{entry.name}/"))
             elif not entry.name.endswith((".py", ".pyc")):
                 found[prefix + entry.name] = entry.read_bytes()
-    if not found:
-        raise RuntimeError("flashwatch's package data flashwatch/dashboards/ is missing: "
-                           "reinstall flashwatch (pip install --force-reinstall flashwatch)")
     return dict(sorted(found.items()))
 
 
@@ -108,6 +109,9 @@ def _dashboards(args: argparse.Namespace) -> int:
         written = write_dashboards(args.out)
     except (OSError, ValueError) as e:
         print(f"flashwatch dashboards: error: --out {args.out}: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a broken install, not the user's --out
+        print(f"flashwatch dashboards: error: {e}", file=sys.stderr)
         return 2
     for p in written:
         print(p)

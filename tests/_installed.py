@@ -30,6 +30,7 @@ class Installed(NamedTuple):
     venv: Path
     sdist: Path
     wheel: Path
+    build_log: str  # the sdist build's output (its warnings)
 
 
 def _run(*cmd, cwd: Path | None = None) -> str:
@@ -41,17 +42,30 @@ def _run(*cmd, cwd: Path | None = None) -> str:
     return done.stdout
 
 
-def build_sdist(out: Path) -> Path:
-    """The sdist of the checkout (setuptools' own PEP 517 hook in this interpreter: no
-    network, no isolated build env)."""
-    _run(sys.executable, "-c", "import sys; from setuptools import build_meta; "
-         f"build_meta.build_sdist({str(out)!r})", cwd=ROOT)
+# What .gitignore names: a build from the checkout itself would read a stale
+# flashwatch.egg-info/SOURCES.txt and ship files MANIFEST.in no longer names.
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build",
+                                    "dist", ".pytest_cache", ".ruff_cache", ".hypothesis",
+                                    "runs")
+
+
+def build_sdist(out: Path) -> tuple[Path, str]:
+    """The sdist of a clean copy of the checkout, and the build's log (setuptools' own
+    PEP 517 hook in this interpreter: no network, no isolated build env)."""
+    src = out / "checkout"
+    shutil.copytree(ROOT, src, ignore=NOT_SOURCE)
+    done = subprocess.run([sys.executable, "-c", "from setuptools import build_meta; "
+                           f"build_meta.build_sdist({str(out)!r})"], cwd=src,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"building the sdist failed:\n{done.stderr[-4000:]}")
+    shutil.rmtree(src)
     (sdist,) = out.glob("flashwatch-*.tar.gz")
-    return sdist
+    return sdist, done.stdout + done.stderr
 
 
 def install(tmp: Path) -> Installed:
-    sdist = build_sdist(tmp / "dist")
+    sdist, log = build_sdist(tmp / "dist")
     with tarfile.open(sdist) as tar:
         tar.extractall(tmp / "src", filter="data")
     (src,) = (tmp / "src").iterdir()
@@ -68,7 +82,7 @@ def install(tmp: Path) -> Installed:
          "--no-index", wheel)
     shutil.rmtree(tmp / "src")
     check_imports_installed(python, venv, tmp)
-    return Installed(python, venv, sdist, wheel)
+    return Installed(python, venv, sdist, wheel, log)
 
 
 def env() -> dict:
