@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
+# tarfile's "data" filter (no absolute paths, no links out) exists from 3.10.12 / 3.11.4 on
+SAFE_TAR = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
 
 
 class Installed(NamedTuple):
@@ -67,7 +69,7 @@ def build_sdist(out: Path) -> tuple[Path, str]:
 def install(tmp: Path) -> Installed:
     sdist, log = build_sdist(tmp / "dist")
     with tarfile.open(sdist) as tar:
-        tar.extractall(tmp / "src", filter="data")
+        tar.extractall(tmp / "src", **SAFE_TAR)
     (src,) = (tmp / "src").iterdir()
     _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
          "-w", tmp / "dist", src)

@@ -194,9 +194,11 @@ def test_sdist_holds_what_its_tests_read(installed, tmp_path: Path):
     whole suite from there is `make test`'s job)."""
     import tarfile
 
+    from _installed import SAFE_TAR
+
     with tarfile.open(installed.sdist) as tar:
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
-        tar.extractall(tmp_path, filter="data")
+        tar.extractall(tmp_path, **SAFE_TAR)
     want = {p.relative_to(ROOT).as_posix() for d in SDIST_FOLDERS for p in (ROOT / d).rglob("*")
             if p.is_file() and "__pycache__" not in p.parts}
     want |= {"LICENSE", "README.md", "Makefile", "pyproject.toml"}
