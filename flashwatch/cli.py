@@ -1,4 +1,4 @@
-"""The `flashwatch` command line: `demo`, `report`, `diagnose`, `info`."""
+"""The `flashwatch` command line: `demo`, `report`, `diagnose`, `dashboards`, `info`."""
 
 from __future__ import annotations
 
@@ -64,6 +64,65 @@ def _diagnose(args: argparse.Namespace) -> int:
     return 0
 
 
+def dashboard_files() -> dict[str, bytes]:
+    """The shipped Grafana dashboard, provisioning, Prometheus rules (+ their promtool
+    tests) and scrape-config snippet: {relative path: contents}, from the package data
+    flashwatch/dashboards/ (the one copy; the repository's dashboards/ is written from it)."""
+    from importlib.resources import files
+
+    root = files("flashwatch") / "dashboards"
+    if not root.is_dir():
+        raise RuntimeError("flashwatch's package data flashwatch/dashboards/ is missing: "
+                           "reinstall flashwatch (pip install --force-reinstall flashwatch)")
+    found: dict[str, bytes] = {}
+    pending = [(root, "")]
+    while pending:
+        folder, prefix = pending.pop()
+        for entry in folder.iterdir():
+            if entry.is_dir():
+                pending.append((entry, f"{prefix}{entry.name}/"))
+            elif not entry.name.endswith((".py", ".pyc")):
+                found[prefix + entry.name] = entry.read_bytes()
+    return dict(sorted(found.items()))
+
+
+def write_dashboards(out: Path | str) -> list[Path]:
+    """Write dashboard_files() under `out` (created; existing files are overwritten) and
+    return the paths written."""
+    if not isinstance(out, (str, Path)):
+        raise TypeError(f"out must be a str or Path, got {type(out).__name__}; pass the "
+                        f"directory to write the dashboards into")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file, not a directory; pass a directory")
+    written = []
+    for rel, data in dashboard_files().items():
+        path = out / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written.append(path)
+    return written
+
+
+def _dashboards(args: argparse.Namespace) -> int:
+    try:
+        written = write_dashboards(args.out)
+    except (OSError, ValueError) as e:
+        print(f"flashwatch dashboards: error: --out {args.out}: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:  # a broken install, not the user's --out
+        print(f"flashwatch dashboards: error: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    rules = args.out / "prometheus"
+    print(f"next: add {rules / 'flashwatch-scrape.yml'}'s job to prometheus.yml, load "
+          f"{rules / 'flashwatch-rules.yml'} (rule_files:), import "
+          f"{args.out / 'grafana' / 'flashwatch.json'} in Grafana; step by step: "
+          f"https://github.com/flashwatch/flashwatch/blob/main/docs/dashboards.md")
+    return 0
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -97,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_report(sub)
     _add_diagnose(sub)
+    dash = sub.add_parser(
+        "dashboards", help="write the Grafana dashboard, Prometheus rules and scrape config",
+        description="Write the Grafana dashboard JSON and provisioning files, the Prometheus "
+                    "recording/alerting rules (with their promtool tests) and a scrape-config "
+                    "snippet for PrometheusSink into a directory (docs/dashboards.md).")
+    dash.add_argument("--out", type=Path, default=Path("dashboards"),
+                      help="directory to write into (./dashboards); files there are replaced")
+    dash.set_defaults(func=_dashboards)
     info = sub.add_parser("info", help="print versions and the available backends")
     info.set_defaults(func=_info)
     return parser

@@ -194,6 +194,7 @@ def _print_next_steps(out: Path, exporter, stream) -> None:
           f"  flashwatch.jsonl, train.jsonl, watcher_state.pt, head_modes.json, summary.json\n"
           f"plots and a summary:  flashwatch report {out}", file=stream)
     if exporter is not None:
-        print("Prometheus: add a scrape job for 127.0.0.1:<port> (see docs/dashboards.md);\n"
-              "Grafana: import the dashboard from dashboards/ (see docs/dashboards.md)",
+        print("Prometheus and Grafana: `flashwatch dashboards --out DIR` writes the scrape "
+              "job (set its target to 127.0.0.1:<port>),\nthe alert rules and the Grafana "
+              "dashboard with their setup steps",
               file=stream)

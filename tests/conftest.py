@@ -60,3 +60,12 @@ def pytest_runtest_teardown(item, nextitem):
             pytest.fail(f"{item.nodeid} left Dynamo's stance at {left!r} (a watcher still "
                         f"measuring and not removed)")
     return result
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """flashwatch built (sdist, then a wheel from it) and installed into a throwaway venv
+    once per session (tests/_installed.py)."""
+    from _installed import install
+
+    return install(tmp_path_factory.mktemp("installed"))

@@ -34,7 +34,7 @@ from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
 from livejob import TinyTrainer, prometheus_server, prometheus_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-DASH = ROOT / "dashboards"
+DASH = ROOT / "flashwatch" / "dashboards"  # what ships; dashboards/ is its copy
 RULES = DASH / "prometheus" / "flashwatch-rules.yml"
 RULES_TEST = DASH / "prometheus" / "flashwatch-rules.test.yml"
 DASHBOARD = DASH / "grafana" / "flashwatch.json"
@@ -47,7 +47,7 @@ GRAFANA_BUILTINS = {"__rate_interval", "__interval", "__range", "__interval_ms"}
 
 def _load_generator():
     spec = importlib.util.spec_from_file_location("fw_dash_generate",
-                                                  DASH / "grafana" / "generate.py")
+                                                  ROOT / "dashboards" / "grafana" / "generate.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -16,7 +16,7 @@ from _helpers import promql_metric_names
 from livejob import prometheus_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-RULES = ROOT / "dashboards" / "prometheus" / "flashwatch-rules.yml"
+RULES = ROOT / "flashwatch" / "dashboards" / "prometheus" / "flashwatch-rules.yml"
 RULES_TEST = RULES.with_name("flashwatch-rules.test.yml")
 RUNBOOKS = ROOT / "README.md"  # runbook_url anchors point at README sections
 SEVERITIES = {"critical", "warning", "info"}

@@ -111,3 +111,22 @@ def test_ctrl_c_leaves_a_complete_readable_run(tmp_path):
         assert (run / name).is_file(), name
     assert json.loads((run / "summary.json").read_text())["ended"] == "interrupted"
     _check_report(run)
+
+
+def test_closing_lines_name_a_command_that_writes_the_dashboards(tmp_path, capsys):
+    """With the exporter on, the demo ends by naming `flashwatch dashboards`, which a pip
+    user has (the repository's dashboards/ folder they have not); the named command runs."""
+    import io
+    import re
+
+    from flashwatch.demo import _print_next_steps
+
+    stream = io.StringIO()
+    _print_next_steps(tmp_path / "run", exporter=object(), stream=stream)
+    text = stream.getvalue()
+    assert "see docs/dashboards.md" not in text
+    command = re.search(r"`flashwatch (dashboards --out) DIR`", text)
+    assert command, text
+    assert main([*command.group(1).split(), str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "d" / "grafana" / "flashwatch.json").is_file()

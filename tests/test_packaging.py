@@ -153,3 +153,62 @@ def test_diagnose_on_a_hugging_face_folder_without_transformers_names_the_extra(
     assert done.returncode == 2 and done.stderr == f"flashwatch diagnose: error: {want}\n", \
         done.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+HOME = "https://github.com/flashwatch/flashwatch"
+
+
+def test_license_and_urls_metadata():
+    """Current packaging standards (PEP 639): an SPDX expression and the license file; a
+    table (`{ text = ... }`) is deprecated by setuptools, removal announced for 2027-02."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert (ROOT / "LICENSE").read_text().split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    urls = project["urls"]
+    assert urls["Homepage"] == HOME and urls["Issues"] == HOME + "/issues"
+    assert urls["Documentation"].startswith(HOME + "/")
+
+
+def test_wheel_ships_license_metadata_and_data(installed):
+    import zipfile
+
+    with zipfile.ZipFile(installed.wheel) as whl:
+        names = set(whl.namelist())
+        meta = whl.read("flashwatch-0.1.0.dist-info/METADATA").decode()
+    assert "flashwatch-0.1.0.dist-info/licenses/LICENSE" in names
+    assert "License-Expression: Apache-2.0" in meta.splitlines()
+    assert f"Project-URL: Issues, {HOME}/issues" in meta.splitlines()
+    data = {p.relative_to(ROOT).as_posix() for p in (ROOT / "flashwatch" / "dashboards").rglob("*")
+            if p.is_file()}
+    assert data and data <= names, sorted(data - names)
+    # the build itself warns about nothing deprecated (the license table did)
+    assert "deprecat" not in installed.build_log.lower(), installed.build_log[-3000:]
+
+
+SDIST_FOLDERS = ("tests", "docs", "dashboards", "examples", "benchmarks", "reproduction")
+
+
+def test_sdist_holds_what_its_tests_read(installed, tmp_path: Path):
+    """Every file of the folders the suite reads is in the sdist, and the sdist's own
+    tests of the docs and the dashboards pass in the unpacked sdist (a few seconds; the
+    whole suite from there is `make test`'s job)."""
+    import tarfile
+
+    from _installed import SAFE_TAR
+
+    with tarfile.open(installed.sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        tar.extractall(tmp_path, **SAFE_TAR)
+    want = {p.relative_to(ROOT).as_posix() for d in SDIST_FOLDERS for p in (ROOT / d).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+    want |= {"LICENSE", "README.md", "Makefile", "pyproject.toml"}
+    assert not want - names, sorted(want - names)
+    (src,) = tmp_path.iterdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+         "tests/test_dashboard_files.py::test_repository_dashboards_are_the_package_data",
+         "tests/test_docs.py", "-k", "not python_block_runs"],
+        cwd=src, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "error" not in done.stdout.lower(), done.stdout[-3000:]

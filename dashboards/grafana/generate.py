@@ -2,15 +2,18 @@
 
     python dashboards/grafana/generate.py      # rewrites the two files below
 
-Outputs (committed; tests/test_dashboards.py fails when they differ from this script):
-  dashboards/grafana/flashwatch.json
-  dashboards/grafana/provisioning/alerting/flashwatch-alerts.yaml
+Outputs (committed; tests/test_dashboards.py fails when they differ from this script),
+in the package data that `flashwatch dashboards` writes for users:
+  flashwatch/dashboards/grafana/flashwatch.json
+  flashwatch/dashboards/grafana/provisioning/alerting/flashwatch-alerts.yaml
+then it copies all of flashwatch/dashboards/ over the repository's dashboards/ (the same
+files, for readers of the repository; tests/test_dashboard_files.py compares them).
 
 Why a generator: the dashboard JSON is ~1000 lines of Grafana boilerplate in which a
 typo in one panel is easy to miss; here every panel is one call with its query and its
 one-sentence explanation, ids and grid positions are computed, and the text panel at
 the top is built from the same sentences, so it cannot fall out of date. The Grafana
-alert rules are derived from dashboards/prometheus/flashwatch-rules.yml (same expr,
+alert rules are derived from flashwatch/dashboards/prometheus/flashwatch-rules.yml (same expr,
 `for`, labels and annotations), so the two alerting paths cannot disagree.
 
 Metric names, HELP texts and the healthy limits drawn as threshold lines come from the
@@ -31,10 +34,11 @@ import yaml
 
 from flashwatch.report import metrics
 
-HERE = Path(__file__).resolve().parent
-DASHBOARD_PATH = HERE / "flashwatch.json"
-ALERTS_PATH = HERE / "provisioning" / "alerting" / "flashwatch-alerts.yaml"
-RULES_PATH = HERE.parent / "prometheus" / "flashwatch-rules.yml"
+REPO = Path(__file__).resolve().parent.parent.parent
+DATA = REPO / "flashwatch" / "dashboards"  # the one source: package data
+DASHBOARD_PATH = DATA / "grafana" / "flashwatch.json"
+ALERTS_PATH = DATA / "grafana" / "provisioning" / "alerting" / "flashwatch-alerts.yaml"
+RULES_PATH = DATA / "prometheus" / "flashwatch-rules.yml"
 
 DASHBOARD_UID = "flashwatch-attention"  # fixed: alert rules and links point at it
 DS = {"type": "prometheus", "uid": "${datasource}"}  # every panel queries the variable
@@ -508,3 +512,7 @@ if __name__ == "__main__":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")
+    from flashwatch.cli import write_dashboards
+
+    for path in write_dashboards(REPO / "dashboards"):
+        print(f"copied to {path}")
