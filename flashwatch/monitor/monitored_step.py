@@ -261,7 +261,8 @@ class StepPipeline:
                                       t(a.share), share_weight=t(a.wq_grad_sq))
         modes = torch.cat([st.modes for st in self.states]).long()
         decision = self.policy.decide(step, t(a.tie_ratio), values, modes,
-                                       max_logit=t(a.max_logit), share=t(a.share))
+                                       max_logit=t(a.max_logit), share=t(a.share),
+                                       grad_sq=t(a.wq_grad_sq))
         return values, decision
 
     def _vote_agrees(self, failed: bool, modes: torch.Tensor) -> bool:
