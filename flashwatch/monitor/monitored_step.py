@@ -332,7 +332,8 @@ class StepPipeline:
             tied_rowmax_ratio=a.tie_ratio, attention_max_logit=a.max_logit,
             delta_error_sum=a.delta_sum, delta_error_rows=a.delta_rows,
             delta_error_all_rows=(a.delta_rows > 0) & (a.delta_missed == 0),
-            delta_error_share=a.share, guarded_rows=a.guarded.astype(np.int64),
+            delta_error_share=a.share, wq_grad_norm=np.sqrt(a.wq_grad_sq),
+            guarded_rows=a.guarded.astype(np.int64),
             wq_spectral_norm=a.sigma)
         # values None: nothing was decided this step (signals not updated): NaN
         for f in SIGNAL_COLUMNS:
