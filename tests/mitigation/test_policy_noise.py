@@ -13,8 +13,8 @@ import yaml
 from _helpers import TwoLayers, biased_kernel, drive, prometheus_rules
 
 import flashwatch as fw
+from benchmarks.share_noise import quickstart_run
 from flashwatch.kernels.common import Mode
-from flashwatch.nanogpt import GPT, GPTConfig
 from flashwatch.report.metrics import EXPORTED
 from livejob import prometheus_tool
 
@@ -26,30 +26,6 @@ RULES = Path(__file__).resolve().parents[2] / "dashboards" / "prometheus" / "fla
 TIE_ALERT = "FlashwatchTiedRowmaxRising"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-QUICKSTART = dict(block_size=64, n_layer=2, n_head=4, n_embd=64)  # README's model
-
-
-def quickstart_run(seed: int, steps: int, **watch):
-    """The README quickstart (lr 3e-3, batches 8 × 64, BF16 autocast), random tokens;
-    returns (reports, watcher)."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(**QUICKSTART))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(seed)
-    w = fw.watch(model, **{"mitigation": "auto", "every_n_steps": 5, **watch})
-    reports = []
-    for _ in range(steps):
-        b = torch.randint(0, 256, (8, QUICKSTART["block_size"] + 1), generator=g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            _, loss = model(b[:, :-1], b[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        r = w.step()
-        if r is not None:
-            reports.append(r)
-    w.remove()
-    return reports, w
 
 
 @pytest.fixture(scope="module")
