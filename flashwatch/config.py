@@ -105,6 +105,21 @@ class WatchConfig:
     # Consecutive monitored steps at or above the threshold before acting (one noisy
     # 64-row estimate never acts).
     delta_share_steps: int = 8
+    # A step's share counts for the rule only where the head's W^Q gradient is a signal:
+    # its ‖dW^Q‖ at least these fractions of its layer's median head and of its own
+    # running peak (the largest ‖dW^Q‖ seen, decaying 0.999 per monitored step). A share
+    # > 1 (the estimated error exceeds the gradient) counts as 1. The README's quickstart
+    # on random tokens (lr 3e-3, 300 steps, seeds 0-3;
+    # 1,500 steps, seed 0): layer 1's W^Q gradients fell to 0.2-2 % of their peak
+    # (≈ 1e-6 against 5e-4 at the start, layer 0 ≈ 6e-5), and its shares rose to
+    # 0.1-5.7; without the floors all 4 heads of layer 1 switched to FP32_O in every run,
+    # with a peak floor of 0.003 in 2 of 4, with 0.01 in none (every share > 1 came at a
+    # gradient ≤ 2.2 % of its peak). 0.03 leaves a 3× margin; the layer floor stops a
+    # head whose gradient is 1e-4 of its layer's others (issue 37: a pretrained 135M
+    # model). A planted lean of 1e-3·|O| (share 0.43-0.77, gradient ordinary) still
+    # switches after delta_share_steps (tests/mitigation/test_policy_rules.py).
+    delta_share_min_grad_layer: float = 0.1
+    delta_share_min_grad_peak: float = 0.03
     # BETA is chosen only where its shift stays this many nats or less above the row
     # max, (β − 1)·max logit ≤ beta_max_excess (the fused and Triton kernels' underflow
     # guard, 60 nats; within it the shift is the authors' exact β·r_m). Elsewhere the
@@ -169,6 +184,8 @@ class WatchConfig:
         check_bool("route_all", self.route_all)
         check_float("delta_share_threshold", self.delta_share_threshold, above=0)
         check_int("delta_share_steps", self.delta_share_steps, min=1)
+        check_float("delta_share_min_grad_layer", self.delta_share_min_grad_layer, min=0, max=1)
+        check_float("delta_share_min_grad_peak", self.delta_share_min_grad_peak, min=0, max=1)
         check_float("beta_max_excess", self.beta_max_excess, above=0)
         check_float("growth_min_logit", self.growth_min_logit)
         if self.qk_clip_threshold is not None:

@@ -28,6 +28,8 @@ def test_defaults_are_valid_and_frozen():
     ("route_all", 1, TypeError), ("power_max_iters", 3, ValueError),
     ("power_max_iters", 0, ValueError),
     ("delta_share_threshold", 0.0, ValueError), ("delta_share_steps", 0, ValueError),
+    ("delta_share_min_grad_layer", 1.5, ValueError),
+    ("delta_share_min_grad_peak", -0.1, ValueError),
     ("beta_max_excess", -1.0, ValueError), ("growth_min_logit", float("inf"), ValueError),
     ("qk_clip_threshold", -5.0, ValueError), ("qk_clip_threshold", "100", TypeError),
     ("qk_clip_alpha", -0.1, ValueError), ("qk_clip_alpha", float("nan"), ValueError),

@@ -141,10 +141,12 @@ def test_readme_quickstarts_are_executed_not_fragments():
 
 def metrics_table() -> list[str]:
     """The README's metrics table, rendered from the one table (flashwatch/report/metrics.py):
-    every per-head metric that has a healthy range."""
+    every per-head metric that has a healthy range, with its Prometheus name where it is
+    not flashwatch_ + the field."""
     cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     rows = ["| metric | meaning | healthy |", "|---|---|---|"]
-    rows += [f"| `{m.name}` | {cell(m.help)} | {cell(m.healthy)} |"
+    name = lambda m: f"`{m.name}`" + (f" (`{m.prometheus_name}`)" if m.exported else "")  # noqa: E731
+    rows += [f"| {name(m)} | {cell(m.help)} | {cell(m.healthy)} |"
              for m in METRICS if m.scope == "head" and m.healthy]
     return rows
 

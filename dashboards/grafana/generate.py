@@ -169,7 +169,7 @@ def _rows() -> list[tuple[str, list[dict]]]:
                     "sampled rows (another kernel) on the latest monitored step "
                     "(the paper's coefficient sum); its sign staying the same step after "
                     "step is what drives the drift.",
-                    [_target(f"topk({TOPK}, abs(flashwatch_delta_error_sum{{{SEL}}}))",
+                    [_target(f"topk({TOPK}, abs(flashwatch_delta_error_rowsum{{{SEL}}}))",
                              "{{layer}} h{{head}}")]),
         _timeseries(f"δ-error share of the W^Q gradient, worst {TOPK} heads",
                     "Estimated ‖E‖/‖dW^Q‖: the part of each head's W^Q gradient that is δ "

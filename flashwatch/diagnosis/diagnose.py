@@ -15,6 +15,8 @@ own SDPA) and one backward; every attention call is measured on every row in FP6
   sign_agreement    share of batches whose S_b has the majority sign
   delta_abs_mean    mean |c[T]| per row
   wq_sigma          W^Q_h's largest singular value (FP64); wq_ratio: over the layer median
+  wq_grad_ratio     mean_b ‖dW^Q_b‖ over the layer's median head: below GRAD_MIN
+                    (rank.py) the share is not a signal
   qk_clip_eta       η = τ / max_logit where max_logit > τ (QK-clip's factor), else 1
 then a verdict, its evidence and a recommendation (flashwatch/diagnosis/rank.py).
 """
@@ -151,6 +153,8 @@ class Sums:
         coh = self.E_sum.flatten(1).norm(dim=1) / e.sum(0).clamp_min(1e-300)
         sigma = torch.linalg.matrix_norm(site.wq().double().cpu(), ord=2)
         med = sigma.median()
+        grad = g.mean(0)  # mean_b ‖dW^Q_b‖ per head
+        grad_med = grad.median()
         eta = clip_factors(self.max_logit, tau)
         out = []
         for h in range(site.num_heads):
@@ -164,6 +168,7 @@ class Sums:
                 delta_coherence=_f(coh[h]), sign_z=_f(z[h]), sign_agreement=_f(agree[h]),
                 delta_abs_mean=_f(self.c_abs[h] / max(1.0, float(self.rows[h]))),
                 wq_sigma=_f(sigma[h]), wq_ratio=_f(sigma[h] / med) if med > 0 else 1.0,
+                wq_grad_ratio=_f(grad[h] / grad_med) if grad_med > 0 else 1.0,
                 qk_clip_eta=_f(eta[h]), grad_path="exact" if self.linear else "autograd"))
         return out
 

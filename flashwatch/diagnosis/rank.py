@@ -7,11 +7,14 @@ Verdicts, in rank order (the first that applies):
                  growing W^Q (σ ≥ WQ_RATIO_MIN × the layer median, or growing that much
                  faster than the layer median between checkpoints)
   delta-error    the δ error is a large part of the head's W^Q gradient (delta_share ≥
-                 SHARE_MIN), its sign not shown to persist
+                 SHARE_MIN), its sign not shown to persist, and that gradient is a signal
+                 (wq_grad_ratio ≥ GRAD_MIN; a share of a negligible gradient is noise)
   logit-growth   max logit above τ, or W^Q large/growing as above, with a small δ error:
                  plain logit growth, QK-clip's case
   ok             none of these
-Within a verdict heads are ordered by delta_share, then max_logit.
+Within a verdict heads are ordered by delta_share (0 where the gradient is under GRAD_MIN:
+a head whose ‖dW^Q‖ is 1e-4 of its layer's others ranked first on a pretrained 135M model
+at a share of 20.5 %, issue 37), then max_logit. The raw share stays in the record.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ TIE_MIN = 0.02  # WatchConfig.tie_ratio_threshold's default
 Z_MIN = 3.0  # |z| of a random sign: N(0, 1), so 3 is p ≈ 0.003; needs ≥ 9 batches
 WQ_RATIO_MIN = 2.0
 SHARE_MIN = 0.1  # δ error ≥ 10 % of the W^Q gradient
+GRAD_MIN = 0.1  # WatchConfig.delta_share_min_grad_layer's default
 VERDICTS = ("paper-failure", "delta-error", "logit-growth", "ok")
 
 
@@ -36,11 +40,21 @@ def rank(heads: list[dict], batches: int, tau: float, growth: dict | None = None
         verdict, evidence = classify(h, batches, tau, rel)
         h.update(verdict=verdict, evidence=evidence, recommendation=recommend(h, verdict, tau),
                  wq_growth_vs_layer=rel)
-    out = sorted(heads, key=lambda h: (VERDICTS.index(h["verdict"]), -_num(h["delta_share"]),
+    out = sorted(heads, key=lambda h: (VERDICTS.index(h["verdict"]), -_signal_share(h),
                                        -_num(h["max_logit"])))
     for i, h in enumerate(out):
         h["rank"] = i + 1
     return out
+
+
+def _grad_signal(h: dict) -> bool:
+    """The head's W^Q gradient is ≥ GRAD_MIN × its layer's median head (records without
+    wq_grad_ratio, from before issue 37: True)."""
+    return not (h.get("wq_grad_ratio", 1.0) < GRAD_MIN)
+
+
+def _signal_share(h: dict) -> float:
+    return _num(h["delta_share"]) if _grad_signal(h) else 0.0
 
 
 def classify(h: dict, batches: int, tau: float, wq_growth_rel: float | None):
@@ -48,7 +62,7 @@ def classify(h: dict, batches: int, tau: float, wq_growth_rel: float | None):
     ties = h["tied_ratio"] >= TIE_MIN
     sign = abs(h["sign_z"]) >= Z_MIN
     big = h["wq_ratio"] >= WQ_RATIO_MIN or (wq_growth_rel or 0) >= WQ_RATIO_MIN
-    share = h["delta_share"] >= SHARE_MIN
+    share = h["delta_share"] >= SHARE_MIN and _grad_signal(h)
     logits = h["max_logit"] > tau
     ev = [f"ties {h['tied_ratio']:.1%}" + (" ≥ " if ties else " < ") + f"{TIE_MIN:.0%}",
           f"sign z {h['sign_z']:+.1f} over {batches} batches"
@@ -57,7 +71,9 @@ def classify(h: dict, batches: int, tau: float, wq_growth_rel: float | None):
              + ")"),
           f"W^Q σ {h['wq_sigma']:.3g} = {h['wq_ratio']:.2f}× layer median"
           + ("" if wq_growth_rel is None else f", grew {wq_growth_rel:.2f}× the median head"),
-          f"δ error {_pct(h['delta_share'])} of dW^Q",
+          f"δ error {_pct(h['delta_share'])} of dW^Q" + ("" if _grad_signal(h) else
+              f" (not a signal: ‖dW^Q‖ {h['wq_grad_ratio']:.2g}× the layer median "
+              f"< {GRAD_MIN:g})"),
           f"max logit {h['max_logit']:.3g}" + (" > " if logits else " ≤ ") + f"τ {tau:g}"]
     if ties and sign and big:
         verdict = "paper-failure"

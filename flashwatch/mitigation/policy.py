@@ -4,6 +4,12 @@ hazards, two fixes.
 (a) The δ error is a large share of the W^Q gradient: `share` (delta_error_share) ≥
     delta_share_threshold on delta_share_steps consecutive monitored steps → FP32_O
     directly, from STANDARD or BETA, no tie gate, no min_history (reason "[delta_share]").
+    A step counts only where the head's W^Q gradient is a signal (docs/design.md §6):
+    ‖dW^Q‖ ≥ delta_share_min_grad_layer × its layer's median head and ≥
+    delta_share_min_grad_peak × its own running peak (the largest ‖dW^Q‖ seen, decaying
+    by GRAD_PEAK_DECAY per monitored step). A share > 1 (the estimated error exceeds the
+    gradient itself) is clamped to 1 for the rule and named in the reason; the report
+    keeps the raw number. Without gradient norms (offline replays) every step counts.
 (b) The δ error persists in sign, or W^Q grows abnormally, while ties are elevated. A
     head is *flagged* for it on a monitored step when
       its window holds ≥ min_history steps, and
@@ -65,6 +71,10 @@ from flashwatch.signals.drift import SignalValues
 
 STANDARD, BETA, FP32_O = int(Mode.STANDARD), int(Mode.BETA), int(Mode.FP32_O)
 
+# The running peak of a head's ‖dW^Q‖ forgets its past by this factor per monitored step
+# (halved after ≈ 700), so the large gradients of the first steps do not gate a long run.
+GRAD_PEAK_DECAY = 0.999
+
 
 # backend="paper" runs the authors' unguarded rule, whose block sum is floored at 1e-10:
 # a tied row (two maxima) shifted x nats above its max sums to 2e^-x, under the floor
@@ -106,6 +116,7 @@ class _Inputs:
     fill: np.ndarray  # window_fill
     logit: np.ndarray | None  # max scaled score; None: not known
     share: np.ndarray | None  # delta_error_share; None: not measured
+    grad: np.ndarray | None  # ‖dW^Q‖ (sqrt of wq_grad_sq); None: not known
     applied: np.ndarray  # int64: the modes in force this step
 
 
@@ -117,7 +128,7 @@ class _Flags:
     spectral: np.ndarray  # W^Q growth over threshold, factor × median and logit floor
     median: float  # median finite spectral_growth over all heads (NaN: none)
     hazard: np.ndarray  # rule (b): ready, ties and (drift or spectral)
-    share_high: np.ndarray  # rule (a): δ-error share over its threshold
+    share_high: np.ndarray  # rule (a): δ-error share over its threshold, gradient a signal
     flagged: np.ndarray  # hazard or share_high
     excess: np.ndarray  # float64: nats BETA's shift would sit above the row max
     beta_safe: np.ndarray  # excess within beta_limit (NaN: not safe)
@@ -140,9 +151,27 @@ class _Moves:
         return self.target != self.cur
 
 
-def _flags(cfg: WatchConfig, x: _Inputs) -> _Flags:
-    """The rules' conditions (module docstring), evaluated on one step's inputs."""
+def _grad_ok(cfg: WatchConfig, grad: np.ndarray | None, peak: np.ndarray,
+             layers: list[np.ndarray]) -> np.ndarray:
+    """‖dW^Q‖ ≥ delta_share_min_grad_layer × the layer's median head and ≥
+    delta_share_min_grad_peak × the head's running peak (True where not known)."""
+    if grad is None:
+        return np.ones(peak.size, dtype=bool)
+    floor = cfg.delta_share_min_grad_peak * peak
+    for idx in layers:
+        g = grad[idx]
+        g = g[np.isfinite(g)]
+        if g.size:
+            floor[idx] = np.maximum(floor[idx], cfg.delta_share_min_grad_layer * _median(g))
+    with np.errstate(invalid="ignore"):
+        return grad >= floor  # NaN: False
+
+
+def _flags(cfg: WatchConfig, x: _Inputs, grad_ok: np.ndarray | None = None) -> _Flags:
+    """The rules' conditions (module docstring), evaluated on one step's inputs; grad_ok:
+    `_grad_ok` (None: every gradient counts as meaningful)."""
     n = x.tie.size
+    grad_ok = np.ones(n, dtype=bool) if grad_ok is None else grad_ok
     with np.errstate(invalid="ignore"):  # comparisons with NaN are False: never flag
         ready = x.fill >= cfg.min_history
         ties = x.tie >= cfg.tie_ratio_threshold
@@ -154,8 +183,9 @@ def _flags(cfg: WatchConfig, x: _Inputs) -> _Flags:
         if x.logit is not None:  # rule (c): ordinary growth at small logits is no hazard
             spectral &= x.logit >= cfg.growth_min_logit
         hazard = ready & ties & (drift | spectral)
+        # a share > 1 counts as 1: over every threshold (≤ 1) either way
         share_high = np.zeros(n, dtype=bool) if x.share is None else (
-            x.share >= cfg.delta_share_threshold)
+            grad_ok & (np.minimum(x.share, 1.0) >= cfg.delta_share_threshold))
         excess = np.zeros(n) if x.logit is None else beta_excess(x.logit, cfg.beta)
         beta_safe = excess <= beta_limit(cfg)  # NaN (no logit measured): not safe
     return _Flags(ready=ready, drift=drift, spectral=spectral, median=median, hazard=hazard,
@@ -199,6 +229,10 @@ class Policy:
         self.streak = torch.zeros(n, dtype=torch.int64)  # consecutive qualifying steps
         self.since_switch = torch.zeros(n, dtype=torch.int64)  # monitored steps in this mode
         self.share_streak = torch.zeros(n, dtype=torch.int64)  # consecutive large-share steps
+        self.grad_peak = torch.zeros(n, dtype=torch.float64)  # running peak of ‖dW^Q‖
+        names = [layer for layer, _ in self.heads]
+        self._layers = [np.flatnonzero(np.array([m == name for m in names]))
+                        for name in dict.fromkeys(names)]
 
     @property
     def n_heads(self) -> int:
@@ -206,14 +240,20 @@ class Policy:
 
     def decide(self, step: int, tie_ratio: torch.Tensor, values: SignalValues,
                modes: torch.Tensor, *, max_logit: torch.Tensor | None = None,
-               share: torch.Tensor | None = None) -> Decision:
+               share: torch.Tensor | None = None,
+               grad_sq: torch.Tensor | None = None) -> Decision:
         """One monitored step. max_logit [n]: the heads' max scaled score (None: not
         known, then BETA counts as safe and the growth rule has no logit floor: for
         offline replays of old logs). share [n]: delta_error_share (None: not measured,
-        rule (a) stays off)."""
+        rule (a) stays off). grad_sq [n]: each head's ‖dW^Q‖² (None: not known, then
+        only the share's bound of 1 decides whether it is a measurement)."""
         check_int("step", step, hint="the optimizer step")
-        x = self._inputs(tie_ratio, values, modes, max_logit, share)
-        flags = _flags(self.config, x)
+        x = self._inputs(tie_ratio, values, modes, max_logit, share, grad_sq)
+        peak = self.grad_peak.numpy() * GRAD_PEAK_DECAY
+        if x.grad is not None:
+            peak = np.fmax(peak, x.grad)  # NaN (no gradient) keeps the decayed peak
+        flags = _flags(self.config, x, _grad_ok(self.config, x.grad, peak, self._layers))
+        self.grad_peak = torch.from_numpy(peak)
         t = torch.from_numpy
         no_reset = np.zeros(self.n_heads, dtype=bool)
         if self.config.mitigation == "off":
@@ -236,7 +276,8 @@ class Policy:
                         t(no_reset))
 
     def _inputs(self, tie_ratio: torch.Tensor, values: SignalValues, modes: torch.Tensor,
-                max_logit: torch.Tensor | None, share: torch.Tensor | None) -> _Inputs:
+                max_logit: torch.Tensor | None, share: torch.Tensor | None,
+                grad_sq: torch.Tensor | None = None) -> _Inputs:
         """decide()'s arguments checked and as numpy: ≈ 1 µs an op on [n] arrays against
         ≈ 5 µs for torch's on the CPU."""
         n = self.n_heads
@@ -247,6 +288,7 @@ class Policy:
         fill = self._vec("values.window_fill", values.window_fill)
         logit = None if max_logit is None else self._vec("max_logit", max_logit)
         share = None if share is None else self._vec("share", share)
+        grad = None if grad_sq is None else np.sqrt(self._vec("grad_sq", grad_sq))
         if not isinstance(modes, torch.Tensor) or tuple(modes.shape) != (n,) or (
                 modes.dtype.is_floating_point or modes.dtype == torch.bool):
             raise TypeError(f"modes must be an int tensor [{n}] of flashwatch.Mode values, got "
@@ -256,7 +298,7 @@ class Policy:
         if ((applied < STANDARD) | (applied > FP32_O)).any():
             raise ValueError(f"modes must hold flashwatch.Mode values 0..2, got {applied.tolist()}")
         return _Inputs(tie=tie, z=z, coh=coh, growth=growth, fill=fill, logit=logit,
-                       share=share, applied=applied)
+                       share=share, grad=grad, applied=applied)
 
     def _moves(self, x: _Inputs, flags: _Flags, auto: bool) -> _Moves:
         """Where each head goes this step (module docstring's state machine)."""
@@ -302,6 +344,12 @@ class Policy:
             reason = (f"[delta_share] δ-error share of the W^Q gradient {_g(x.share[i])} ≥ "
                       f"{_g(cfg.delta_share_threshold)} for {cfg.delta_share_steps} "
                       f"monitored steps")
+            if x.share[i] > 1:
+                reason += " (> 1: the estimated error exceeds the gradient; counted as 1)"
+            if x.grad is not None:
+                reason += (f", ‖dW^Q‖ {_g(x.grad[i])} above its floors (layer median × "
+                           f"{_g(cfg.delta_share_min_grad_layer)}, running peak × "
+                           f"{_g(cfg.delta_share_min_grad_peak)})")
         elif moves.rule_unsafe[i]:
             reason = "[beta_unsafe] " + self._unsafe_text(i, x.logit, flags.excess)
         else:
@@ -361,7 +409,7 @@ class Policy:
     def state_dict(self) -> dict:
         return {"heads": list(self.heads), "recommended": self.recommended.clone(),
                 "streak": self.streak.clone(), "since_switch": self.since_switch.clone(),
-                "share_streak": self.share_streak.clone()}
+                "share_streak": self.share_streak.clone(), "grad_peak": self.grad_peak.clone()}
 
     def load_state_dict(self, sd: dict) -> None:
         heads = [tuple(h) for h in sd.get("heads", [])]
@@ -377,3 +425,9 @@ class Policy:
                 raise ValueError(f"state entry {name!r} must be an int64 tensor "
                                  f"[{self.n_heads}], got {t!r:.80}")
             setattr(self, name, t.detach().to("cpu", torch.int64).clone())
+        peak = sd.get("grad_peak")  # states before issue 37: no peak yet (0: no floor)
+        if peak is not None:
+            if not isinstance(peak, torch.Tensor) or tuple(peak.shape) != (self.n_heads,):
+                raise ValueError(f"state entry 'grad_peak' must be a float64 tensor "
+                                 f"[{self.n_heads}], got {peak!r:.80}")
+            self.grad_peak = peak.detach().to("cpu", torch.float64).clone()

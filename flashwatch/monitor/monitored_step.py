@@ -354,7 +354,8 @@ class StepPipeline:
                                       t(a.share), share_weight=t(a.wq_grad_sq))
         modes = self.global_modes()
         decision = self.policy.decide(step, t(a.tie_ratio), values, modes,
-                                       max_logit=t(a.max_logit), share=t(a.share))
+                                       max_logit=t(a.max_logit), share=t(a.share),
+                                       grad_sq=t(a.wq_grad_sq))
         return values, decision
 
     def _mode_hash(self) -> float:
@@ -450,7 +451,8 @@ class StepPipeline:
             tied_rowmax_ratio=a.tie_ratio, attention_max_logit=a.max_logit,
             delta_error_sum=a.delta_sum, delta_error_rows=a.delta_rows,
             delta_error_all_rows=(a.delta_rows > 0) & (a.delta_missed == 0),
-            delta_error_share=a.share, guarded_rows=a.guarded.astype(np.int64),
+            delta_error_share=a.share, wq_grad_norm=np.sqrt(a.wq_grad_sq),
+            guarded_rows=a.guarded.astype(np.int64),
             wq_spectral_norm=a.sigma)
         # values None: nothing was decided this step (signals not updated): NaN
         for f in SIGNAL_COLUMNS:

@@ -11,7 +11,7 @@ use them, so a row is never renamed.
 Columns:
   name        HeadRecord field (scope "head") or StepReport field (`field`, scope
               "step"); the JSONL key; the Prometheus name is "flashwatch_" + name
-              (+ "_total" for a counter whose name lacks it).
+              (+ "_total" for a counter whose name lacks it), or + `exported` where set.
   unit        base units: "ratio", "score" (scaled attention score, nats), "count",
               "seconds", "step", "mode" (Mode value), "z", "norm", "flag", "1".
   scope       "head": one value per layer and head (Prometheus labels head, layer);
@@ -27,6 +27,9 @@ Columns:
   prometheus  "gauge", "counter" (a head field summed over reports, or `counts`), or
               None (not exported: JSONL and the report only).
   logged      a per-head key of the Lightning and Hugging Face callbacks.
+  exported    the Prometheus name's stem where `name` breaks Prometheus' naming rules
+              (a gauge may not end in "_sum", the suffix of summaries and histograms:
+              `promtool check metrics` rejects it), else None.
   counts      for counters of events: the Event.kind counted, from report.confirmed
               (mode events also get the label `mode`: the mode switched to).
 """
@@ -55,10 +58,11 @@ class Metric:
     logged: bool = False
     field: str | None = None  # scope "step": the StepReport field, when not `name`
     counts: str | None = None
+    exported: str | None = None
 
     @property
     def prometheus_name(self) -> str:
-        name = "flashwatch_" + self.name
+        name = "flashwatch_" + (self.exported or self.name)
         return name + "_total" if self.prometheus == "counter" and \
             not name.endswith("_total") else name
 
@@ -91,7 +95,8 @@ METRICS = (
            "Sum over the rows (every row when flashwatch's kernel ran, else sampled rows) "
            "of the backward delta error c[T] = rowsum(dO*O_used) - rowsum(dO*O_fp32), "
            "latest monitored step.",
-           healthy="changes sign from step to step", prometheus="gauge", logged=True),
+           healthy="changes sign from step to step", prometheus="gauge", logged=True,
+           exported="delta_error_rowsum"),
     Metric("r_projection", "1", "head",
            "Projection of this step's W^Q gradient-error sketch on the running top "
            "singular direction of the past ones."),
@@ -127,6 +132,12 @@ METRICS = (
            "||E||_F / ||dW^Q||_F (Eq. 3, this layer's term), latest monitored step; "
            "healthy << 0.05.",
            healthy="≪ 0.05", limit=0.05, layer_max=True, prometheus="gauge"),
+    Metric("wq_grad_norm", "norm", "head",
+           "Frobenius norm of the head's W^Q gradient over the latest monitored step "
+           "(delta_error_share's denominator); a share counts for the policy and the "
+           "alert only while this is at least 0.1 x the layer's median head and 0.03 x "
+           "its own recent peak.",
+           prometheus="gauge"),
     Metric("delta_error_share_mean", "ratio", "head",
            "sqrt(sum ||E||^2 / sum ||dW^Q||^2) over the window.", healthy="≪ 0.05"),
     Metric("delta_error_share_std", "ratio", "head",

@@ -46,3 +46,22 @@ def test_growth_across_checkpoints_counts_as_a_large_wq():
     assert out[0]["head"] == 1 and out[0]["verdict"] == "paper-failure"
     assert out[0]["wq_growth_vs_layer"] == pytest.approx(4.0)  # 6 / median 1.5
     assert all(h["verdict"] == "ok" for h in out[1:])
+
+
+def test_share_of_a_negligible_gradient_cannot_rank_first():
+    """Issue 37, a pretrained 135M model: a head whose ‖dW^Q‖ is 1e-4 of its layer's others
+    ranked first at a share of 20.5 %. Under GRAD_MIN (0.1 × the layer median) its share
+    decides neither the verdict nor the order; the raw share and why stay in the record."""
+    from flashwatch.diagnosis.rank import rank
+
+    heads = [_record(0, delta_share=0.205, wq_grad_ratio=1e-4),
+             _record(1, delta_share=0.12, wq_grad_ratio=1.0),
+             _record(2, delta_share=0.02, wq_grad_ratio=1.0),
+             _record(3, delta_share=0.3, wq_grad_ratio=0.1)]  # at the floor: counts
+    out = rank(heads, batches=25, tau=100.0)
+    assert [(h["head"], h["verdict"]) for h in out] == [
+        (3, "delta-error"), (1, "delta-error"), (2, "ok"), (0, "ok")]
+    (h0,) = [h for h in out if h["head"] == 0]
+    assert h0["delta_share"] == 0.205
+    assert "δ error 20.5% of dW^Q (not a signal: ‖dW^Q‖ 0.0001× the layer median < 0.1)" in \
+        h0["evidence"]

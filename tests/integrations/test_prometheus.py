@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import subprocess
 import time
 import urllib.parse
 import urllib.request
@@ -22,7 +23,7 @@ import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Event, HeadRecord, Mode, StepReport
 from flashwatch.integrations.prometheus import METRIC_NAMES, PrometheusSink
-from livejob import SMALL, TinyTrainer, free_port, prometheus_server
+from livejob import SMALL, TinyTrainer, free_port, prometheus_server, prometheus_tool
 
 HEADS = {(f"transformer.h.{i}.attn", str(h)) for i in range(2) for h in range(4)}
 PER_HEAD = [n for n in METRIC_NAMES if not n.startswith("flashwatch_monitor_")]
@@ -75,6 +76,28 @@ def test_scrape_has_every_documented_metric_with_labels():
     assert samples["flashwatch_monitor_seconds"][0].value > 0
     for s in samples["flashwatch_wq_spectral_norm"]:
         assert math.isfinite(s.value) and s.value > 0
+
+
+def test_promtool_check_metrics_passes_on_a_live_scrape():
+    """Issue 37: `promtool check metrics` (Prometheus' naming lint) on the page a watched
+    job serves after a measured step, a mode switch in it: exit 0, no complaint. It
+    exited 3 while delta_error_sum was exported as flashwatch_delta_error_sum (a gauge
+    may not end in _sum)."""
+    sink = PrometheusSink(port=0)
+    t = TinyTrainer([sink])
+    try:
+        t.step()
+        t.watcher.set_head_modes("transformer.h.1.attn", [Mode.FP32_O] * 4)
+        t.step()
+        t.step()  # the switch seen running: mitigations_total counts it
+        with urllib.request.urlopen(sink.url, timeout=10) as r:
+            page = r.read()
+    finally:
+        t.watcher.remove()
+    assert b"flashwatch_delta_error_rowsum{" in page and b"flashwatch_wq_grad_norm{" in page
+    r = subprocess.run([prometheus_tool("promtool"), "check", "metrics"], input=page,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
 def test_remove_closes_the_server_and_frees_the_port():

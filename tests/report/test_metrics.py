@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = {
     "flashwatch_tied_rowmax_ratio": ("gauge", ("head", "layer")),
     "flashwatch_attention_max_logit": ("gauge", ("head", "layer")),
-    "flashwatch_delta_error_sum": ("gauge", ("head", "layer")),
+    "flashwatch_delta_error_rowsum": ("gauge", ("head", "layer")),
     "flashwatch_delta_error_share": ("gauge", ("head", "layer")),
+    "flashwatch_wq_grad_norm": ("gauge", ("head", "layer")),
     "flashwatch_delta_drift_z": ("gauge", ("head", "layer")),
     "flashwatch_delta_coherence": ("gauge", ("head", "layer")),
     "flashwatch_r_projection_cumulative": ("gauge", ("head", "layer")),
@@ -45,8 +46,8 @@ CONTRACT = {
 HEAD_RECORD = ("layer", "head", "tied_rowmax_ratio", "attention_max_logit", "delta_error_sum",
                "r_projection", "r_projection_cumulative", "delta_drift_z", "delta_coherence",
                "wq_spectral_norm", "delta_error_rows", "delta_error_all_rows", "delta_sign_z",
-               "delta_error_share", "delta_error_share_mean", "delta_error_share_std",
-               "guarded_rows", "head_mode", "recommended_mode", "flagged")
+               "delta_error_share", "wq_grad_norm", "delta_error_share_mean",
+               "delta_error_share_std", "guarded_rows", "head_mode", "recommended_mode", "flagged")
 # Their defaults, by hand (HeadRecord takes them from the table, so checking one against
 # the other alone would pass whatever the table says): NaN until measured, zero rows,
 # STANDARD, not flagged.
