@@ -27,11 +27,15 @@ def _info(_args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from flashwatch.demo import run_demo
+    from flashwatch.demo import PortUnavailable, run_demo
 
     out = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    summary = run_demo(steps=args.steps, seed=args.seed, out=out,
-                       port=args.port or None, mitigation=args.mitigation, every=args.every)
+    try:
+        summary = run_demo(steps=args.steps, seed=args.seed, out=out, port=args.port or None,
+                           mitigation=args.mitigation, every=args.every)
+    except PortUnavailable as e:
+        print(f"flashwatch demo: error: {e}", file=sys.stderr)
+        return 2
     if summary["ended"] == "interrupted":
         return 130  # the shell's code for Ctrl-C
     return 0

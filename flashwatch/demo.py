@@ -52,6 +52,9 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     """Train, watch, write the run directory; returns the summary dict."""
     GPT, GPTConfig = _example_gpt()
     stream = stream or sys.stdout
+    # The exporter binds first: a taken port then stops the demo before the run directory
+    # exists, so no empty directory is left behind.
+    exporter = _exporter(port) if port else None
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     # No position embedding: the repeated bytes then give identical keys, hence rows with
@@ -63,11 +66,7 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
     data = make_corpus(200_000, seed)
     gen = torch.Generator().manual_seed(seed)
     sinks = [JsonlSink(out / "flashwatch.jsonl"), ConsoleSink(top=5, every=10, stream=stream)]
-    exporter = None
-    if port:
-        from flashwatch.integrations.prometheus import PrometheusSink
-
-        exporter = PrometheusSink(port=port)
+    if exporter is not None:
         sinks.append(exporter)
     watcher = fw.watch(model, sinks=sinks, mitigation=mitigation, every_n_steps=every,
                        seed=seed)
@@ -93,6 +92,27 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
         _finish(watcher, out, summary, time.perf_counter() - t_start)
     _print_next_steps(out, exporter, stream)
     return summary
+
+
+class PortUnavailable(RuntimeError):
+    """The demo's exporter port cannot be bound; the message is one line for the CLI."""
+
+
+def _exporter(port: int):
+    """A PrometheusSink on 127.0.0.1:port; PortUnavailable naming the CLI's --port when the
+    port is taken or not ours to bind."""
+    from flashwatch.integrations.prometheus import PrometheusSink
+
+    try:
+        return PrometheusSink(port=port, local_rank=0, rank=0)
+    except (RuntimeError, OSError) as e:
+        cause = e.__cause__ if isinstance(e.__cause__, OSError) else e
+        if not isinstance(cause, OSError):
+            raise
+        reason = getattr(cause, "strerror", None) or str(cause)
+        raise PortUnavailable(
+            f"port {port} for the Prometheus exporter: {reason}; pass another with "
+            f"--port N, or --port 0 to run without the exporter") from e
 
 
 def _batch(data: torch.Tensor, block: int, batch: int,

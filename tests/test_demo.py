@@ -74,6 +74,24 @@ def test_bad_arguments_exit_2_with_a_message(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
+def test_demo_on_a_taken_port_says_one_line_naming_the_flag(tmp_path, capsys):
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        run = tmp_path / "run"
+        assert main(["demo", "--steps", "2", "--port", str(port), "--out", str(run)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err, err
+    assert f"port {port}" in err and "--port N" in err and "--port 0" in err, err
+    assert "PrometheusSink" not in err, err
+    assert not run.exists()  # no empty run directory
+    assert captured.out == ""
+
+
 def test_report_on_a_directory_without_a_run_exits_2(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert "flashwatch.jsonl" in capsys.readouterr().err

@@ -76,17 +76,20 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
     sums = [Sums(s, i) for i, s in enumerate(found)]
     start, n = time.perf_counter(), 0
     total = len(batches) if hasattr(batches, "__len__") else None
+    shown = Progress(name, total, len(found)) if progress else None
     with _prepared(model, found):
         for batch in batches:
             def layer_done(done, n=n):  # the progress line, as each layer is measured
-                if progress:
-                    _progress(name, n + done / len(found), total, start)
+                if shown is not None:
+                    shown.layer(n, done)
             one_batch(model, found, sums, _to(batch, device), loss_fn, dtype, device,
                       dict(eps=eps, scores_dtype=scores_dtype, reference=reference,
                            on_layer=layer_done))
             n += 1
-    if progress:
-        print(file=sys.stderr)
+            if shown is not None:
+                shown.batch(n)
+    if shown is not None and n:
+        shown.end(n)
     if n == 0:
         raise ValueError("batches is empty: pass at least one batch of token ids")
     heads = [h for s in sums for h in s.heads(tau)]
@@ -242,11 +245,48 @@ def _to(batch, device):
     return batch
 
 
-def _progress(name: str, batches: float, total: int | None, start: float) -> None:
-    """One stderr line, rewritten in place: batches done (fractions: layers measured)."""
-    of = f"/{total}" if total else ""
-    print(f"\rdiagnose {name}: batch {batches:.2f}{of}, {time.perf_counter() - start:.1f} s",
-          end="", file=sys.stderr, flush=True)
+class Progress:
+    """Batches measured, on stderr. A terminal gets one line rewritten in place (`\\r`) as
+    each layer is measured; a log file or pipe (not a TTY) gets whole lines, one when a
+    batch ends at least `interval` s after the last line and one at the end, so a log
+    holds no carriage returns and a few lines an hour (a 1B model's batch takes ~10 s on
+    CPU). Counts are whole batches; a terminal also shows the layer within the next one."""
+
+    interval = 60.0  # s between log-file lines
+
+    def __init__(self, name: str, total: int | None, layers: int, stream=None):
+        self.stream = sys.stderr if stream is None else stream
+        try:
+            self.tty = bool(self.stream.isatty())
+        except (AttributeError, ValueError):  # no isatty, or a closed stream
+            self.tty = False
+        self.name, self.of, self.layers = name, f"/{total}" if total else "", layers
+        self.start = self.last = time.perf_counter()
+        self.printed = 0  # batches the last log-file line counted
+
+    def _text(self, batches: int) -> str:
+        return (f"diagnose {self.name}: {batches}{self.of} batches done, "
+                f"{time.perf_counter() - self.start:.1f} s")
+
+    def layer(self, batches: int, layers: int) -> None:
+        """`layers` of the batch after `batches` are measured: terminals only."""
+        if self.tty:
+            print(f"\r{self._text(batches)}, layer {layers}/{self.layers} of batch "
+                  f"{batches + 1}", end="", file=self.stream, flush=True)
+
+    def batch(self, batches: int) -> None:
+        now = time.perf_counter()
+        if not self.tty and now - self.last >= self.interval:
+            print(self._text(batches), file=self.stream, flush=True)
+            self.last, self.printed = now, batches
+
+    def end(self, batches: int) -> None:
+        # spaces over the ", layer L/N of batch B" (< 32 characters) the last line ended with
+        line = self._text(batches)
+        if self.tty:
+            print(f"\r{line:<{len(line) + 32}}", file=self.stream, flush=True)
+        elif self.printed != batches:
+            print(line, file=self.stream, flush=True)
 
 
 def _f(x) -> float:

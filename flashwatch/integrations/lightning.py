@@ -12,7 +12,7 @@ from flashwatch._checks import log_once, missing_extra
 
 try:
     import lightning.pytorch as pl
-    from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 except ImportError as e:
     raise missing_extra("lightning", "lightning", "flashwatch.integrations.lightning") from e
 
@@ -59,6 +59,10 @@ class FlashWatchCallback(pl.Callback):
                    resumes the watcher exactly.
       teardown     removes the watcher (the model is left as it was) and closes the
                    Prometheus endpoint it opened (prometheus_port), not your sinks.
+      first report one line on global rank 0 through Lightning's console logger
+                   (rank_zero_info): layers and heads watched, the cadence, modes, and
+                   the log_every_n_steps at which keys are logged (Lightning's default
+                   50 logs nothing in a shorter run).
       A failure inside flashwatch is logged and counted, never raised into training.
 
     Logged keys (through `pl_module.log`, rank 0 only, at the trainer's
@@ -100,6 +104,7 @@ class FlashWatchCallback(pl.Callback):
         self._seen_step: int | None = None  # trainer.global_step at the last watcher.step()
         self._reports = shared.Reports()  # newest report not yet logged, confirmed counts
         self._logged: set = set()  # what was logged once
+        self._announced = False  # the first-report line was printed
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -172,7 +177,10 @@ class FlashWatchCallback(pl.Callback):
         if w is None or trainer.global_step == self._seen_step:
             return  # unwatched, or a micro-batch of gradient accumulation
         self._seen_step = trainer.global_step
-        self._reports.add(w.step())
+        report = w.step()
+        self._reports.add(report)
+        if report is not None and not self._announced:
+            self._announce(trainer, report)
         # Lightning writes step metrics when should_update_logs is true for this batch
         # (every log_every_n_steps optimizer steps); logging on other batches is wasted.
         connector = getattr(trainer, "_logger_connector", None)
@@ -188,6 +196,23 @@ class FlashWatchCallback(pl.Callback):
             log_once(log, self._logged, "log", "flashwatch: logging through Lightning failed "
                      "(%s: %s); training continues, sinks still receive reports",
                      type(e).__name__, e, level=logging.ERROR, exc_info=e)
+
+    def _announce(self, trainer, report: StepReport) -> None:
+        """One line on global rank 0 at the first report, through Lightning's console
+        logger: Lightning writes metrics every log_every_n_steps (default 50) optimizer
+        steps, so a 20-step run would otherwise show no sign of flashwatch."""
+        self._announced = True
+        try:
+            layers = len({h.layer for h in report.heads})
+            moved = sum(int(h.head_mode) != flashwatch.Mode.STANDARD for h in report.heads)
+            rank_zero_info(
+                f"flashwatch: watching {layers} attention layers ({len(report.heads)} heads), "
+                f"one optimizer step in {self.config.every_n_steps} monitored; first report "
+                f"at step {report.step}: {moved} heads not STANDARD; flashwatch/* keys are "
+                f"logged every {trainer.log_every_n_steps} steps (Trainer log_every_n_steps)")
+        except Exception as e:  # a message must never stop training
+            log_once(log, self._logged, "announce", "flashwatch: first-report line failed "
+                     "(%s: %s)", type(e).__name__, e, level=logging.ERROR, exc_info=e)
 
     def _metrics(self, report: StepReport) -> dict[str, float]:
         return shared.logged_metrics(report, self.watcher, self._reports, top_k=self.top_k,

@@ -113,7 +113,9 @@ METRICS = (
     Metric("delta_coherence", "ratio", "head",
            "Coherence of the W^Q gradient-error sketches over the window, in [0, 1]; 1 "
            "means every step's error points the same way.",
-           healthy="< 0.15 (≈ 1/sqrt(window) when zero-mean)", limit=0.15,
+           healthy="no fixed bound: ≈ 1/sqrt(window) = 0.125 when zero-mean; the healthy "
+                   "demo's heads reach 0.4 (median 0.14, 99 % 0.34 once the window is "
+                   "full); ≥ 0.15 counts only with drift z ≥ 4", limit=0.15,
            layer_max=True, prometheus="gauge", logged=True),
     Metric("wq_spectral_norm", "norm", "head",
            "Largest singular value of the head's query projection W^Q.",

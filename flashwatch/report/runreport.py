@@ -3,9 +3,12 @@
 Reads RUN_DIR/flashwatch.jsonl (JsonlSink) and, when present, RUN_DIR/train.jsonl
 (lines with "step" and "loss") and RUN_DIR/summary.json. Writes into RUN_DIR (or --out):
   ties_heatmap.png   tied-rowmax ratio, one row per (layer, head), over monitored steps
-  drift.png          drift z and coherence of the flagged heads (else the 4 worst)
-  spectral.png       W^Q spectral norm of every head
+  drift.png          drift z and coherence of the flagged heads (else the 4 worst), with
+                     the metrics table's limits as dashed lines
+  spectral.png       W^Q spectral norm of every head, the flagged ones bold
   loss.png           training loss with the mitigation events marked
+A head is "flagged" when the run has a mode change for it (the policy acted or advised);
+each head keeps one colour in every plot.
   report.md          flagged heads, when, what fix, what happened after
 """
 
@@ -18,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from flashwatch._checks import missing_extra
+from flashwatch.report.metrics import BY_NAME
 from flashwatch.report.sinks import read_jsonl
 
 PLOTS = ("ties_heatmap.png", "drift.png", "spectral.png", "loss.png")
@@ -78,7 +82,7 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     shown = _shown_heads(run)
     written = [_plot_ties(run, out / "ties_heatmap.png"),
                _plot_drift(run, shown, out / "drift.png"),
-               _plot_spectral(run, shown, out / "spectral.png"),
+               _plot_spectral(run, _flagged(run), out / "spectral.png"),
                _plot_loss(run, out / "loss.png")]
     md = out / "report.md"
     md.write_text(_markdown(run))
@@ -92,15 +96,38 @@ def _subplots(*args, **kwargs):
     return plt.subplots(*args, **kwargs)
 
 
-def _shown_heads(run: dict) -> list[int]:
-    """Indices of the heads the drift and spectral plots single out: the flagged ones (a
-    mode event), or the worst 4 by final drift z when no head was flagged."""
+def _flagged(run: dict) -> list[int]:
+    """Indices of the heads with a mode change in the run, in (layer, head) order."""
     heads = run["heads"]
-    flagged = sorted({(e["layer"], e["head"]) for e in run["events"]})
-    if not flagged:
-        final_z = np.nan_to_num(np.array(run["series"]["delta_drift_z"])[-1], nan=-np.inf)
-        flagged = [heads[i] for i in np.argsort(-final_z)[:4]]
-    return [heads.index(h) for h in flagged if h in heads]
+    return [heads.index(h) for h in sorted({(e["layer"], e["head"]) for e in run["events"]})
+            if h in heads]
+
+
+def _colour(i: int):
+    """Head i's colour, the same in every plot (tab20 repeats after 20 heads)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](i % 20)
+
+
+def _limit_line(ax, metric: str, name: str) -> None:
+    """The metrics table's limit for `metric` as a dotted line, named on the y axis."""
+    limit = BY_NAME[metric].limit
+    if limit is None:
+        ax.set_ylabel(name)
+        return
+    ax.axhline(limit, color="black", ls=":", lw=0.8)
+    ax.set_ylabel(f"{name} (dotted: limit {limit:g})")
+
+
+def _shown_heads(run: dict) -> list[int]:
+    """Indices of the heads the drift plot shows: the flagged ones, or the 4 of largest
+    final drift z when no head was flagged."""
+    flagged = _flagged(run)
+    if flagged:
+        return flagged
+    final_z = np.nan_to_num(np.array(run["series"]["delta_drift_z"])[-1], nan=-np.inf)
+    return [int(i) for i in np.argsort(-final_z)[:4]]
 
 
 def _plot_ties(run: dict, path: Path) -> Path:
@@ -124,29 +151,36 @@ def _plot_drift(run: dict, shown: list[int], path: Path) -> Path:
     fig, (a1, a2) = _subplots(2, 1, figsize=(10, 6), sharex=True)
     for i in shown:
         label = _label(run["heads"][i])
-        a1.plot(steps, [row[i] for row in series["delta_drift_z"]], label=label)
-        a2.plot(steps, [row[i] for row in series["delta_coherence"]], label=label)
+        a1.plot(steps, [row[i] for row in series["delta_drift_z"]], label=label,
+                color=_colour(i))
+        a2.plot(steps, [row[i] for row in series["delta_coherence"]], label=label,
+                color=_colour(i))
     _mark_events(a1, events)
     _mark_events(a2, events)
-    a1.set_ylabel("drift z")
-    a2.set_ylabel("coherence")
+    _limit_line(a1, "delta_drift_z", "drift z")
+    _limit_line(a2, "delta_coherence", "coherence")
     a2.set_xlabel("optimizer step")
-    a1.set_title("δ-error drift of " + ("flagged heads" if events else "the 4 worst heads"))
-    a1.legend(fontsize=7, ncol=4)
+    a1.set_title("δ-error drift of " + (
+        "the heads with a mode change" if events
+        else "the 4 heads of largest final drift z (no head flagged)")
+        + _caption_events(events))
+    a1.legend(fontsize=7, ncol=5)
     return _save(fig, path)
 
 
 def _plot_spectral(run: dict, shown: list[int], path: Path) -> Path:
-    """W^Q spectral norm of every head, the heads `shown` bold and labelled."""
+    """W^Q spectral norm of every head, the flagged heads (`shown`) bold and labelled."""
     fig, ax = _subplots(figsize=(10, 4))
     sig = np.array(run["series"]["wq_spectral_norm"])
     for i, head in enumerate(run["heads"]):
-        ax.plot(run["steps"], sig[:, i], lw=1.5 if i in shown else 0.6,
+        ax.plot(run["steps"], sig[:, i], lw=2.0 if i in shown else 0.6, color=_colour(i),
                 label=_label(head) if i in shown else None)
     _mark_events(ax, run["events"])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("‖W^Q_h‖₂")
-    ax.set_title("W^Q spectral norm per head (flagged heads bold)")
+    ax.set_title("W^Q spectral norm per head " + (
+        "(bold: heads with a mode change)" if shown else "(no head flagged)")
+        + _caption_events(run["events"]))
     if shown:
         ax.legend(fontsize=7)
     return _save(fig, path)
@@ -163,8 +197,12 @@ def _plot_loss(run: dict, path: Path) -> Path:
     _mark_events(ax, run["events"])
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.set_title("training loss; vertical lines: mode changes")
+    ax.set_title("training loss" + _caption_events(run["events"]))
     return _save(fig, path)
+
+
+def _caption_events(events) -> str:
+    return "; dashed verticals: mode changes" if events else ""
 
 
 def _mark_events(ax, events) -> None:

@@ -253,3 +253,47 @@ def test_eager_attention_is_refused_with_the_fix():
     model.config._attn_implementation = "eager"
     with pytest.raises((RuntimeError, ValueError), match="attn_implementation=.sdpa."):
         diagnose(model, id_batches(64, n=1), progress=False)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_in_a_log_file_has_whole_lines_and_whole_batches(monkeypatch):
+    from flashwatch.diagnosis import diagnose as module
+
+    model = tiny_gpt(seed=0)
+    log = io.StringIO()  # not a TTY, as a log file
+    monkeypatch.setattr(module.sys, "stderr", log)
+    monkeypatch.setattr(module.Progress, "interval", 0.0)  # a line after every batch
+    diagnose(model, id_batches(16, n=3), name="m")
+    text = log.getvalue()
+    assert "\r" not in text, repr(text)
+    lines = text.splitlines()
+    # one per batch (interval 0); the closing line would repeat the last one: left out
+    assert [ln.split(": ")[1].split(" batches")[0] for ln in lines] == \
+        ["1/3", "2/3", "3/3"], lines
+
+    log.seek(0)
+    log.truncate()
+    monkeypatch.setattr(module.Progress, "interval", 3600.0)
+    diagnose(model, id_batches(16, n=3), name="m")
+    assert log.getvalue().count("\n") == 1 and "3/3 batches done" in log.getvalue()
+
+
+def test_progress_on_a_terminal_rewrites_one_line(monkeypatch):
+    from flashwatch.diagnosis import diagnose as module
+
+    model = tiny_gpt(seed=0)
+    term = _Terminal()
+    monkeypatch.setattr(module.sys, "stderr", term)
+    diagnose(model, id_batches(16, n=2), name="m")
+    text = term.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n")
+    updates = text.split("\r")[1:]
+    n_layers = len(model.transformer.h)
+    assert len(updates) == 2 * n_layers + 1, updates  # each layer of each batch, the end
+    assert "0/2 batches done" in updates[0] and f"layer 1/{n_layers} of batch 1" in updates[0]
+    assert "2/2 batches done" in updates[-1] and "layer" not in updates[-1]
+    assert not any(c in "".join(updates) for c in (".25", ".50", ".75")), updates

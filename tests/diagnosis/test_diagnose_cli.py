@@ -48,7 +48,8 @@ def test_cli_nanogpt_checkpoints_growth(tmp_path, capsys):
     cap = capsys.readouterr()
     printed = cap.out.splitlines()
     assert printed[0].startswith("a.pt: ") and printed[1].startswith("b.pt: ")
-    assert "diagnose b.pt: batch 1.50/2" in cap.err  # progress: one layer of two measured
+    # progress into a pipe (not a TTY): whole lines, whole batches
+    assert "diagnose b.pt: 2/2 batches done" in cap.err and "\r" not in cap.err
 
 
 def test_cli_hugging_face_directory(tmp_path, capsys):

@@ -297,3 +297,19 @@ def test_layers_built_in_configure_model_are_watched(tmp_path):
     assert len(sink.reports) == 3
     assert sorted({h.layer for h in sink.reports[-1].heads}) == LAYERS
     assert all(math.isfinite(h.wq_spectral_norm) for h in sink.reports[-1].heads)
+
+
+def test_a_short_fit_with_default_log_cadence_says_flashwatch_runs(tmp_path, caplog):
+    # Lightning's default log_every_n_steps=50 logs no metric in a 20-step fit: the
+    # callback's own first-report line is then the only sign that flashwatch ran.
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=20,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, logger=False, default_root_dir=tmp_path,
+                         callbacks=[FlashWatchCallback(every_n_steps=4)])
+    with caplog.at_level(logging.INFO):
+        trainer.fit(LitGPT(), _data(20))
+    lines = [r.getMessage() for r in caplog.records if "flashwatch: watching" in r.getMessage()]
+    assert len(lines) == 1, lines  # once, not every report
+    assert "watching 2 attention layers (8 heads)" in lines[0], lines[0]
+    assert "one optimizer step in 4" in lines[0] and "first report at step 0" in lines[0]
+    assert "every 50 steps" in lines[0], lines[0]

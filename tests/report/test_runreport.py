@@ -160,13 +160,53 @@ def test_the_drift_plot_names_the_worst_heads_by_final_drift_z(tmp_path, monkeyp
                    key=lambda r: -r["delta_drift_z"])[:4]
     assert legends["drift.png"] == [_label((r["layer"], r["head"])) for r in worst]
     assert _label(HEADS[NAN_HEAD]) not in legends["drift.png"]
-    assert sorted(legends["spectral.png"]) == sorted(legends["drift.png"])
+    assert legends["spectral.png"] == []  # nothing flagged: no head bold or labelled
 
     # With mode changes, the switched heads instead, in (layer, head) order.
     flagged = tmp_path / "flagged"
     flagged.mkdir()
     make_report(_write_run(flagged))
     assert legends["drift.png"] == ["h.0.attn/2", "h.1.attn/0"]
+    assert legends["spectral.png"] == ["h.0.attn/2", "h.1.attn/0"]
+
+
+def _figures(monkeypatch):
+    """{file name: the figure}, kept as each is saved."""
+    seen, save = {}, matplotlib.figure.Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        seen[path.name] = fig
+        return save(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    return seen
+
+
+def _colours(ax):
+    return {ln.get_label(): ln.get_color() for ln in ax.get_lines()
+            if not ln.get_label().startswith("_")}
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_plots_say_what_they_show(tmp_path, monkeypatch, events):
+    figs = _figures(monkeypatch)
+    make_report(_write_run(tmp_path, events=events))
+    drift, spectral, loss = (figs[n].axes[0] for n in ("drift.png", "spectral.png",
+                                                         "loss.png"))
+    titles = drift.get_title() + spectral.get_title() + loss.get_title()
+    assert ("mode changes" in titles) == events, titles
+    assert ("no head flagged" in spectral.get_title()) == (not events)
+    bold = [ln.get_label() for ln in spectral.get_lines() if ln.get_linewidth() > 1]
+    assert bold == (["h.0.attn/2", "h.1.attn/0"] if events else [])
+    # one colour per head: every head drawn in drift.png has its spectral.png colour
+    spectral_colour = {_label(h): c for h, c in zip(
+        HEADS, [ln.get_color() for ln in spectral.get_lines()][:len(HEADS)], strict=True)}
+    drawn = _colours(drift)
+    assert drawn and all(spectral_colour[k] == c for k, c in drawn.items()), drawn
+    # the metrics table's limits as horizontal lines: drift z 4, coherence 0.15
+    flat = {ln.get_ydata()[0] for ax in figs["drift.png"].axes for ln in ax.get_lines()
+            if len(set(ln.get_ydata())) == 1 and len(ln.get_ydata()) == 2}
+    assert {4.0, 0.15} <= flat, flat
 
 
 def _png_shapes(heads):
