@@ -1,5 +1,6 @@
-"""Dependencies as users expect them: the core needs torch, numpy, triton and
-prometheus-client; Lightning, matplotlib and transformers are extras, imported only where
+"""Dependencies as users expect them: the core needs torch, numpy and prometheus-client
+(Triton comes with CUDA torch; `[triton]` otherwise); Lightning, matplotlib and
+transformers are extras, imported only where
 they are used, and a missing extra is named in a one-line `pip install` message.
 
 Each check runs a fresh interpreter in which the extras cannot be imported: a finder put
@@ -21,7 +22,7 @@ except ImportError:  # Python 3.10: the dev extra installs tomli
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"torch", "numpy", "triton", "prometheus-client"}
+CORE = {"torch", "numpy", "prometheus-client"}
 EXTRAS = {"lightning": {"lightning"}, "report": {"matplotlib"},
           "transformers": {"transformers", "accelerate"}}
 # top-level modules of each extra (and of what the extras pull in)
@@ -60,7 +61,8 @@ def test_pyproject_core_and_extras():
     extras = project["optional-dependencies"]
     for extra, names in EXTRAS.items():
         assert {_name(r) for r in extras[extra]} == names, extra
-    assert extras["all"] == ["flashwatch[lightning,report,transformers]"]
+    assert extras["all"] == ["flashwatch[lightning,report,transformers,triton]"]
+    assert {_name(r) for r in extras["triton"]} == {"triton"}
     assert "flashwatch[all]" in extras["dev"]  # `make test` installs every extra
     install = [line for line in (ROOT / "Makefile").read_text().splitlines()
                if "pip install" in line and "-e " in line]

@@ -7,6 +7,8 @@ Both backends run through the `torch.library` op in `flashwatch.kernels.ops`, so
 from __future__ import annotations
 
 import contextvars
+import functools
+import importlib.util
 
 import torch
 
@@ -61,10 +63,16 @@ class NotInKernel(RuntimeError):
     counting an error."""
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    """Whether triton can be imported (without importing it: 1 s and ≈ 1 GB of it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _resolve_backend(backend: str, q: torch.Tensor, attn_mask=None) -> str:
     if backend == "auto":  # Triton where it runs natively, the reference for the rest
         triton_ok = (q.device.type == "cuda" and q.dtype in TRITON_DTYPES
-                     and q.shape[-1] in TRITON_HEAD_DIMS)
+                     and q.shape[-1] in TRITON_HEAD_DIMS and _triton_installed())
         backend = "triton" if triton_ok else "reference"
     if backend in ("triton", "paper") and attn_mask is not None and \
             attn_mask.requires_grad and torch.is_grad_enabled():

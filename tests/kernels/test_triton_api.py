@@ -84,3 +84,19 @@ def test_reference_backend_through_the_op_is_the_reference():
             assert torch.equal(a.grad, b.grad)
         for name in ("tied_rows", "rows", "guarded_rows", "max_logit"):
             assert torch.equal(getattr(st, name), getattr(st_r, name)), name
+
+
+def test_auto_takes_triton_on_cuda_only_where_triton_is_installed(monkeypatch):
+    """Triton is no core dependency (CUDA torch brings it): "auto" on a CUDA tensor runs
+    the reference when the package is missing, the Triton kernel when it is there."""
+    from types import SimpleNamespace
+
+    from flashwatch.kernels import dispatch
+
+    q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16,
+                        shape=(1, 2, 8, 64))
+    for installed, want in ((False, "reference"), (True, "triton")):
+        monkeypatch.setattr(dispatch, "_triton_installed", lambda v=installed: v)
+        assert dispatch._resolve_backend("auto", q) == want
+    q.device.type = "cpu"
+    assert dispatch._resolve_backend("auto", q) == "reference"
