@@ -115,10 +115,15 @@ class Recorder(ProbeRecorder):
             # e.g. a KV-cached decode step of a grouped-query model that folds its query
             # heads into the length axis ([B, H_kv, n_rep, D]): not the layer's heads, so
             # neither its modes nor its head arrays apply. Skipped, never misattributed.
+            weight = getattr(st.site.q_module, "weight", None)
+            why = ("its projections were split by tensor parallelism after flashwatch.watch "
+                   "attached: attach after parallelize_module (docs/limits.md)"
+                   if st.site.global_heads is None and q.shape[1] < st.site.num_heads
+                   and callable(getattr(weight, "to_local", None))
+                   else "a decode step folding query heads?")
             self.warn_once(st, "heads", f"flashwatch: {st.site.name}: an attention call "
                            f"with {q.shape[1]} heads, not the layer's {st.site.num_heads} "
-                           f"(a decode step folding query heads?); such calls run as they "
-                           f"are and are not measured")
+                           f"({why}); such calls run as they are and are not measured")
             return None, q, k, v, False
         return a, q, k, v, st.routed
 
