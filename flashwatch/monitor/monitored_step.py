@@ -31,6 +31,7 @@ from flashwatch.mitigation import qkclip
 from flashwatch.mitigation.policy import Decision, Policy
 from flashwatch.mitigation.qkclip import QKClip
 from flashwatch.monitor import aggregate, probe
+from flashwatch.monitor.agreement import Agreement
 from flashwatch.monitor.capture import Recorder
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
@@ -91,10 +92,10 @@ class StepPipeline:
         self.qk_clip = QKClip(config, [st.site for st in states],
                               offsets=[st.offset for st in states], n_heads=n)
         self.buffers = reduce.Buffers(aggregate.shapes(n, config.sketch_dim))
+        self.agreement = Agreement(monitor, ledger, self.buffers)
         self.events: list = []  # every mode change and QK-clip since the start
         self.unreported: list = []  # hand-set mode changes not yet in a StepReport
         self.confirmed: list = []  # mode events seen run since the last report
-        self.source = 0  # the rank whose decisions a disagreeing vote adopts
         self.realign_to: int | None = None  # step count the ranks agreed on, if moved
 
     def user_change(self, st: LayerState, new: torch.Tensor, step: int) -> None:
@@ -336,14 +337,14 @@ class StepPipeline:
             failed |= self._local("apply decision", lambda: self._set_decided(decision),
                                   True) is True
         mode_hash = self._local("vote", self._mode_hash, None)
-        agreed = self._vote_agrees(failed or mode_hash is None, mode_hash or 0.0)
-        if not agreed and self.monitor.rank != self.source:
+        agreed = self.agreement.vote(failed or mode_hash is None, mode_hash or 0.0)
+        if not agreed and not self.agreement.is_source:
             decision = None  # this rank takes the source rank's state instead
         if decision is not None:
             self.events.extend(decision.events)
         if not agreed:
             clip_plan = None  # weights change only where every rank agreed
-            self._heal()
+            self.agreement.heal(self._state, self._adopt)
         clips = self._local("qk_clip", lambda: self._safe_qk_clip(step, arrays, clip_plan),
                             [])
         return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
@@ -362,66 +363,21 @@ class StepPipeline:
         modes = self.global_modes().double()
         return float((modes * torch.arange(1, modes.numel() + 1, dtype=torch.float64)).sum())
 
-    def _vote_agrees(self, failed: bool, mode_hash: float) -> bool:
-        """One MAX all_reduce of [failed, mode hash, -mode hash, -(first healthy rank)],
-        filled and read with numpy (reduce.Buffers): True when no rank failed and all
-        hold the same modes. Sets `source`, the rank a disagreeing vote heals from."""
-        mon = self.monitor
-        if not mon.distributed:
-            return not failed
-        if mon.broken is not None:
-            return False  # no collective any more; nothing to heal from
-        me = float(mon.world if failed else mon.rank)
-        vote = self.buffers.vote
-        vote[:] = (float(failed), mode_hash, -mode_hash, -me)
-        try:
-            mon.all_reduce_(self.buffers.vote_t, "max")
-        except Exception as e:
-            self.ledger.error("vote", e)
-            self.source = mon.world  # the group broke: no heal
-            return False
-        any_failed, max_hash, neg_min_hash, neg_source = (float(x) for x in vote)
-        self.source = int(-neg_source)  # the lowest rank that did not fail
-        agree = any_failed == 0 and max_hash == -neg_min_hash
-        if not agree:
-            self.ledger.warn_once("vote", "flashwatch: ranks disagreed at a monitored step (a "
-                              "rank failed, or holds other head modes); every rank takes "
-                              "the decisions of the lowest rank that did not fail")
-        return bool(agree)
-
-    def _heal(self) -> None:
-        """Every rank takes the modes, signals and policy of `self.source`: one
-        broadcast on the monitor's group, issued by every rank whatever failed on it (a
-        source that cannot gather its state sends None and each rank keeps its own; no
-        healthy rank: no broadcast)."""
-        mon = self.monitor
-        if not mon.distributed or self.source >= mon.world or mon.broken is not None:
-            return
-        import torch.distributed as dist
-
-        box = [None]
-        if mon.rank == self.source:  # a second try: the broadcast must carry the state
-            box[0] = (self._local("state broadcast", self._state_box, None)
-                      or self._local("state broadcast", self._state_box, None))
-        try:
-            dist.broadcast_object_list(box, src=self.source, group=mon.group)
-        except Exception as e:
-            mon.broken = f"a collective failed ({type(e).__name__}: {e})"
-            self.ledger.error("state broadcast", e)
-            return
-        if mon.rank != self.source and box[0] is not None:
-            state = box[0]  # the modes first, and again if they fail: they run next step
-            if self._local("state broadcast", lambda: self._set_all(state["modes"]),
-                           False) is False:
-                self._local("state broadcast", lambda: self._set_all(state["modes"]), None)
-            self._local("state broadcast",
-                        lambda: self.signals.load_state_dict(state["signals"]), None)
-            self._local("state broadcast",
-                        lambda: self.policy.load_state_dict(state["policy"]), None)
-
-    def _state_box(self) -> dict:
+    def _state(self) -> dict:
+        """What a disagreeing vote's source rank sends (agreement.Agreement.heal)."""
         return dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
                     modes=self.global_modes())
+
+    def _adopt(self, state: dict) -> None:
+        """The source rank's state, the modes first (and again if they fail: they are
+        what runs next step); each part counted if it fails."""
+        if self._local("state broadcast", lambda: self._set_all(state["modes"]),
+                       False) is False:
+            self._local("state broadcast", lambda: self._set_all(state["modes"]), None)
+        self._local("state broadcast",
+                    lambda: self.signals.load_state_dict(state["signals"]), None)
+        self._local("state broadcast", lambda: self.policy.load_state_dict(state["policy"]),
+                    None)
 
     def _set_all(self, modes: torch.Tensor) -> None:
         """Every head's modes [n]: this rank's layers run theirs."""
