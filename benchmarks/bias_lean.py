@@ -12,7 +12,8 @@ import argparse
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "kernels")]  # test_reference and its oracle
 from test_reference import _bias_rows, _lean, _row_errors  # noqa: E402
 
 from flashwatch import Mode  # noqa: E402

@@ -12,7 +12,7 @@ clipped head's logits then shrink by η_h^α · η_min^(1−α) ≤ η_h.
 
 Biases: q = W x + b is scaled by η^α only if b is scaled too, so the Q and K biases of
 clipped heads are scaled with their rows (Qwen-style q/k biases, nanoGPT's and GPT-2's
-c_attn bias). Layouts: every discovered site names its Q and K channels (sites.py:
+c_attn bias). Layouts: every discovered site names its Q and K channels (sites/site.py:
 q_index in q_module, k_index in k_module: nanoGPT and GPT-2 c_attn, HF q_proj/k_proj,
 GPT-NeoX/Bloom/Falcon per-head interleaved query_key_value, Phi-3 qkv_proj, Qwen3-Next's
 gated q_proj). Explicit sites are not supported (their K weight is unknown) and are

@@ -269,7 +269,7 @@ def local_wq_rows(site: AttentionSite):
     """(rows [n, d_model], head [n] int64, process group) of W^Q held by this rank, when
     W^Q is rows [start, stop) of an nn.Linear weight that is a DTensor sharded on dim 0
     over a 1-D mesh; else None. n may be 0 (a rank holding only K and V rows)."""
-    source = getattr(site.wq_source, "rows_of", None)  # set by sites.rows_of
+    source = getattr(site.wq_source, "rows_of", None)  # set by sites/weights.rows_of
     if source is None:
         return None
     q_module, start, stop = source
