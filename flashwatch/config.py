@@ -26,10 +26,12 @@ class WatchConfig:
     # model on 1,024 GPUs once amortised (benchmarks/RESULTS.md, "At scale"); raise it
     # for more margin.
     every_n_steps: int = 10
-    # Query rows sampled per layer and monitored step for the δ probe; each is
-    # recomputed in FP32 against all keys: cost ∝ rows·N·D·H, tiny next to the layer's
-    # N²·D·H. Rounded up so that every batch element drawn gives the same number of rows
-    # (⌈R/B⌉; exactly R when B divides it), which lets them run as one batched matmul;
+    # Query rows sampled per layer and monitored step for the δ probe (ties and max
+    # logit cover every row whatever this is: the probe's FP32 QKᵀ of each call gives
+    # them). The sampled rows' FP32 output and PK come from those scores: cost ∝
+    # rows·N·D·H, tiny next to the layer's N²·D·H. Rounded up so that every batch
+    # element drawn gives the same number of rows (⌈R/B⌉; exactly R when B divides it),
+    # which lets them run as one batched matmul;
     # every row is equally likely to be drawn. "all": recompute every row of a foreign
     # kernel's call (e.g. SDPA) in FP32, so Σc and Σc² cover all rows (cost ≈ one FP32
     # attention forward per watched call; benchmarks/RESULTS.md). flashwatch's own

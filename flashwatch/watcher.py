@@ -29,7 +29,7 @@ from torch import nn
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
-from flashwatch.monitor import traced
+from flashwatch.monitor import tokens, traced
 from flashwatch.monitor.attach import Attachment
 from flashwatch.monitor.capture import Cadence, Recorder
 from flashwatch.monitor.layer_state import LayerState
@@ -126,6 +126,8 @@ class Watcher:
             self._set_modes(st, st.modes)
             self._attachment.wrap(st)
         weakref.finalize(self, traced.unregister, [st.compiled.key for st in self._states])
+        # Hugging Face models hand flashwatch their attention_mask: padding left out
+        self._mask_hooks = tokens.hook_models(model, self._recorder.tokens)
         self._arm()  # step 0 is monitored
 
     # ----------------------------------------------------------------------- public API
@@ -170,6 +172,14 @@ class Watcher:
     def resume(self) -> None:
         self._cadence.paused = False
         self._arm()
+
+    def set_valid_tokens(self, mask) -> None:
+        """Which tokens of the coming forwards are real: `mask` [batch, tokens], True or 1
+        for a real token, 0 for padding (a tokenizer's attention_mask). Padding query rows
+        are then left out of ties, max logit and δ error; it holds until changed, and
+        None clears it. Hugging Face models need no call: flashwatch reads the
+        attention_mask their forward receives (a mask set here wins over it)."""
+        self._recorder.tokens.set(tokens.as_mask(mask))
 
     def set_head_modes(self, layer: str, modes) -> None:
         """Set the modes of one watched layer by hand, from the next attention call on
@@ -291,6 +301,8 @@ class Watcher:
             return
         self._cadence.removed = True
         self._attachment.detach()
+        for h in self._mask_hooks:
+            h.remove()
         traced.unregister([st.compiled.key for st in self._states])
         for sink in self.sinks:
             close = getattr(sink, "close", None)

@@ -52,14 +52,12 @@ class LayerBuffers:
     form `local` reads: device tensors stay on the device."""
 
     num_heads: int
-    exact: bool  # flashwatch's kernel ran: its counters cover every row
-    tied_rows: torch.Tensor  # [H] kernel counters (device)
+    tied_rows: torch.Tensor  # [H] kernel counters of the calls it counted (device)
     rows: torch.Tensor
     guarded_rows: torch.Tensor
     max_logit: torch.Tensor
     wq_grad_sq: torch.Tensor  # [H] ‖dW^Q_h‖² (device; NaN without a gradient)
-    probe_rows: int  # host counts
-    grad_rows: int
+    grad_rows: int  # host counts
     delta_rows: int
     delta_missed: int
     share_rows: int
@@ -87,7 +85,6 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
     raw.update(kernel_tied=per_layer("tied_rows"), kernel_rows=per_layer("rows"),
                kernel_max=per_layer("max_logit"), guarded=per_layer("guarded_rows"),
                wq_grad_sq=per_layer("wq_grad_sq"), sigma=[s.double() for s in sigma] or none,
-               exact=per_head(lambda b: b.exact), probe_rows=per_head(lambda b: b.probe_rows),
                grad_rows=per_head(lambda b: b.grad_rows),
                delta_rows=per_head(lambda b: b.delta_rows),
                delta_missed=per_head(lambda b: b.delta_missed),
@@ -121,8 +118,8 @@ def to_host(pieces: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 
 # probe.totals' keys in `gather`'s output: kept over the whole head table by the probe
-PROBE_TOTALS = tuple(f"probe_{k}" for k in ("tied", "row_max", "G", "delta_sum", "delta_sq",
-                                             "share_num"))
+PROBE_TOTALS = tuple(f"probe_{k}" for k in ("tied", "rows", "row_max", "G", "delta_sum",
+                                             "delta_sq", "share_num"))
 # Fills of the heads a rank does not hold (another pipeline stage's): nothing to add or
 # to win a max. The probe's totals are kept over the whole table already.
 _FILL = {"kernel_max": -math.inf, "sigma": math.nan}
@@ -144,12 +141,11 @@ def place(raw: dict[str, torch.Tensor], positions: torch.Tensor, n: int
 
 def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """This rank's part of the exchange (host tensors from `place(to_host(gather(...)))`),
-    named as `shapes` names it without the "max:" prefix. Tie and row counts come from
-    the kernel where it ran (every row), else from the probe's sampled rows."""
-    exact = raw["exact"] > 0
+    named as `shapes` names it without the "max:" prefix. Tie and row counts cover every
+    real row of every call: the kernel's counters for the calls it counted, the probe's
+    for the others (flashwatch/monitor/probe.py)."""
     return dict(
-        tied=torch.where(exact, raw["kernel_tied"], raw["probe_tied"]),
-        rows=torch.where(exact, raw["kernel_rows"], raw["probe_rows"]),
+        tied=raw["kernel_tied"] + raw["probe_tied"], rows=raw["kernel_rows"] + raw["probe_rows"],
         delta_sum=raw["probe_delta_sum"], grad_rows=raw["grad_rows"],
         delta_sq=raw["probe_delta_sq"], delta_rows=raw["delta_rows"],
         delta_missed=raw["delta_missed"], share_num=raw["probe_share_num"],

@@ -250,13 +250,16 @@ class Recorder(ProbeRecorder):
             if user_stats is not None:
                 user_stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 user_stats.rows += stats.rows.to(user_stats.rows.device)
-            if self.cadence.measuring and not recomputing():  # accumulated on the device
+            if self.cadence.measuring and not recomputing() and self.tokens.rows(
+                    st, q.shape[0], q.shape[2], q.device) is None:
+                # accumulated on the device; with padding the probe counts the call's
+                # real rows instead (the kernel's counters cover every row)
+                st.buf.kernel_counted = True
                 if st.buf.stats.rows.device != stats.rows.device:  # the step's first call
                     st.buf.stats = AttentionStats(*(x.to(stats.rows.device) for x in (
                         st.buf.stats.tied_rows, st.buf.stats.rows, st.buf.stats.guarded_rows,
                         st.buf.stats.max_logit)))
                 st.buf.stats.add_(stats.tied_rows, 0, stats.guarded_rows, stats.max_logit)
                 st.buf.stats.rows += stats.rows
-                st.buf.stats_exact = True
         return out
 

@@ -37,7 +37,7 @@ class StepBuffers:
 
     stats: AttentionStats  # exact counters of routed calls
     wq_grad_sq: torch.Tensor  # [H] float64 ‖dW^Q_h‖²_F of the step's gradient (NaN: none)
-    stats_exact: bool = False  # a routed call of this step filled `stats`
+    kernel_counted: bool = False  # the current routed call's rows are in `stats`
     samples: list = field(default_factory=list)  # probe.Sample of each probed call
     probe_rows: int = 0
     grad_rows: int = 0  # sampled rows whose gradient arrived

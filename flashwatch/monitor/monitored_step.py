@@ -250,14 +250,14 @@ class StepPipeline:
         they were accumulated (flashwatch/monitor/probe.py, flashwatch/monitor/aggregate.py)."""
         rest = [smp for st in self.states for smp in st.buf.samples]
         device = (self.recorder.totals["G"].device if self.recorder.totals is not None
-                  else rest[0].d.device if rest else "cpu")
+                  else rest[0].o32.device if rest else "cpu")
         tot = probe.totals(rest, len(self.heads), self.config.sketch_dim, self.recorder.totals,
                            device=device)
         layers = [aggregate.LayerBuffers(
-            num_heads=st.site.num_heads, exact=bool(st.buf.stats_exact),
+            num_heads=st.site.num_heads,
             tied_rows=st.buf.stats.tied_rows, rows=st.buf.stats.rows,
             guarded_rows=st.buf.stats.guarded_rows, max_logit=st.buf.stats.max_logit,
-            wq_grad_sq=st.buf.wq_grad_sq, probe_rows=st.buf.probe_rows, grad_rows=st.buf.grad_rows,
+            wq_grad_sq=st.buf.wq_grad_sq, grad_rows=st.buf.grad_rows,
             delta_rows=st.buf.delta_rows, delta_missed=st.buf.delta_missed,
             share_rows=st.buf.share_rows, sampled=st.buf.sampled,
             averaged=st.buf.wq_grad_averaged, refused=st.wq_refused is not None)

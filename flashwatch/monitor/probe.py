@@ -1,12 +1,20 @@
-"""The δ probe: FP32 recomputation of a few sampled query rows and the sketch terms.
+"""The probe: every row's max logit and ties, and the δ sketch terms of a few sampled rows.
 
-On a monitored step each watched attention call samples about R query rows (b, t). For them:
-  O_fp32[T]  = softmax(s[T]) V in FP32 (s = scale·q[T]·Kᵀ from the input-dtype values)
-  PK[T]      = softmax(s[T]) K (attention-weighted keys)
-  c[T]       = rowsum(dO ∘ O_used)[T] - rowsum(dO ∘ O_fp32)[T]   (docs/design.md §5)
-  z[T]       = Ω_xᵀ X[T] (or Ω_qᵀ q[T] without X), y[T] = Ω_aᵀ PK[T]
-  G          = Σ_T c[T] z[T] y[T]ᵀ  (k×k per head): a sketch of dW^Q_hp - dW^Q_lp.
-Cost per call ∝ R·N·D·H, against the layer's own N²·D·H.
+On a monitored step each watched attention call flashwatch's kernel did not count gets:
+  every row   s = α·q·Kᵀ in FP32 from the input-dtype values (the kernel's arithmetic),
+              chunked over batch elements (query rows too where one element is large),
+              never the whole [B, H, N, N] at once. Per head: the max score and the rows
+              whose second-largest visible score is within eps of the max (tied), over
+              real query rows only (padding left out: `row_bias`).
+  ~R rows T   taken from the same scores: O_fp32[T] = softmax(s[T]) V, PK[T] = softmax(s[T]) K,
+              O_used[T], X[T] (or q[T]); kept in a `Sample` until the gradient gives
+              dO[T], then reduced with the other layers' samples by `totals`:
+                c[T] = rowsum(dO ∘ (O_used - O_fp32))[T]        (docs/design.md §5)
+                z[T] = Ω_xᵀ X[T] (Ω_qᵀ q[T] without X), y[T] = Ω_aᵀ PK[T]
+                G    = Σ_T c[T] z[T] y[T]ᵀ  (k×k per head): a sketch of dW^Q_hp - dW^Q_lp.
+Device ops per call: about 18 whatever R and H (benchmarks/RESULTS.md), the sketch
+arithmetic in `totals`, a few dozen ops for all layers of a micro-batch at once.
+Cost: one more QKᵀ in FP32 per call (the layer's own forward and backward do ~7).
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from typing import NamedTuple
 import torch
 
 from flashwatch.kernels.common import no_autocast
-from flashwatch.signals import smallops
+
+# Additive float masks at or below this hide the key: Hugging Face fills hidden keys
+# with finfo(dtype).min (-3.4e38 in FP32, not -inf), which a row max must not count.
+MASKED = -1e30
 
 
 def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
@@ -27,136 +38,280 @@ def sample_rows(generator: torch.Generator, batch: int, n_q: int, n_rows: int):
     E·w rows, between R and R + w - 1 (exactly R when batch divides
     it: 64 rows of B = 8, or every row). Every row has the same chance E·w/(batch·n_q)
     of being drawn, so sums over the sample scaled by batch·n_q/(E·w) stay unbiased;
-    equal groups let `recompute` run every element's rows in one batched matmul.
-    Returns elems [E] (int64, CPU; None when every element is drawn, in order: then
-    `recompute` slices instead of gathering) and t [E, w] (int64, CPU), from `generator`."""
+    equal groups let `recompute` take every element's rows from its scores at once.
+    Returns elems [E] (int64, CPU, ascending; None when every element is drawn) and
+    t [E, w] (int64, CPU, ascending in each row), from `generator`: in the order the
+    scores are computed, so nothing is reordered on the device."""
     rows = min(n_rows, batch * n_q)
     w = -(-rows // batch)
     n_el = -(-rows // w)
-    elems = None if n_el == batch else torch.randperm(batch, generator=generator)[:n_el]
+    elems = None if n_el == batch else torch.randperm(
+        batch, generator=generator)[:n_el].sort().values
     if w == n_q:
         t = torch.arange(n_q).expand(n_el, n_q)
     else:  # w distinct positions per element, uniformly (topk: 2× cheaper than a sort)
-        t = torch.rand(n_el, n_q, generator=generator).topk(w, -1).indices
+        t = torch.rand(n_el, n_q, generator=generator).topk(w, -1).indices.sort(-1).values
     return elems, t
 
 
+class Rows(NamedTuple):
+    """The sampled rows (`sample_rows`) on the host and on the calls' device."""
+
+    elems: torch.Tensor | None  # [E] host
+    t: torch.Tensor  # [E, w] host
+    elems_dev: torch.Tensor | None  # [E] device
+    t_dev: torch.Tensor  # [E, w] device
+
+
+def rows_on(elems, t, device) -> Rows:
+    """`sample_rows`' result with a copy on `device`: one transfer, not blocking."""
+    if elems is None:
+        return Rows(None, t, None, t.to(device, non_blocking=True))
+    both = torch.cat([elems[:, None], t], 1).to(device, non_blocking=True)
+    return Rows(elems, t, both[:, 0], both[:, 1:])
+
+
+def take(x: torch.Tensor, rows: Rows, dim: int) -> torch.Tensor:
+    """x [B, ..., N (at dim), ...] at the sampled rows: [E, ..., w, ...], one gather (two
+    when only some elements are drawn)."""
+    if rows.elems_dev is not None:
+        x = x[rows.elems_dev]
+    return torch.gather(x, dim, _index(rows.t_dev, x.shape, dim))
+
+
+def _index(t, shape, dim):
+    """t [E, w] as torch.gather's index into a tensor of `shape` along `dim`: a
+    broadcast view (take_along_dim would add a remainder op per call)."""
+    view = [1] * len(shape)
+    view[0], view[dim] = t.shape
+    out = list(shape)
+    out[0], out[dim] = t.shape
+    return t.view(view).expand(out)
+
+
 def flat(elems, t):
-    """(b, t) of every sampled row, [E·w] each, in the order `recompute` returns them."""
+    """(b, t) of every sampled row, [E·w] each, in the order of a [E, ..., w] sample
+    flattened (tests and reports; the probe itself keeps the grouped layout)."""
     if elems is None:
         elems = torch.arange(t.shape[0], device=t.device)
     return elems.repeat_interleave(t.shape[1]), t.reshape(-1)
 
 
-def recompute(q, k, v, elems, t, *, causal: bool, scale: float, attn_mask=None, eps: float,
-              softcap: float | None = None, sliding_window: int | None = None):
-    """FP32 attention for the sampled rows: row j·w + i is query t[j, i] of batch
-    element elems[j] (element j if elems is None; `sample_rows`; `flat` gives (b, t)).
+def score_bias(n_q: int, n_k: int, *, causal: bool, attn_mask=None, sliding_window=None,
+               device=None) -> torch.Tensor | None:
+    """The scores' additive FP32 mask, broadcastable to [B, H, Nq, Nk] (0 visible, -inf
+    hidden), or None when nothing is hidden. attn_mask as SDPA's: bool (True = attend)
+    or additive float (entries ≤ MASKED hide the key). sliding_window: query t hides key
+    j when t - j ≥ window (flashwatch.attention(sliding_window=)). One per mask and
+    shape: the watcher reuses it for every layer of a forward (capture.py)."""
+    hidden = None
+    if causal or sliding_window is not None:
+        i = torch.arange(n_q, device=device)[:, None]
+        j = torch.arange(n_k, device=device)[None, :]
+        if causal:
+            hidden = j > i
+        if sliding_window is not None:
+            far = i - j >= sliding_window
+            hidden = far if hidden is None else hidden | far
+    bias = None if hidden is None else torch.zeros(
+        n_q, n_k, device=device).masked_fill_(hidden, -math.inf)
+    if attn_mask is not None:
+        m = attn_mask.to(device) if device is not None else attn_mask
+        if m.dtype == torch.bool:
+            add = torch.zeros(m.shape, device=m.device).masked_fill_(~m, -math.inf)
+        else:
+            add = m.float().masked_fill(m <= MASKED, -math.inf)
+        bias = add if bias is None else bias + add
+    return bias
 
-    q [B, H, N, D]; k, v [B, H_kv, N, D] with H_kv dividing H (grouped-query attention:
-    query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa; never repeated
-    here, so K and V are upcast once per KV head, not per query head). attn_mask as
-    SDPA's: bool (True = attend) or additive float, broadcastable to [B, H, Nq, Nk].
+
+def recompute(q, k, v, rows: Rows, *, causal: bool, scale: float, attn_mask=None, eps: float,
+              softcap: float | None = None, sliding_window: int | None = None,
+              bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None,
+              every_row: bool = True):
+    """Every row's max and ties per head, and the FP32 rows of the sample, [E, H, w, ·]:
+    [j, h, i] is query rows.t[j, i] of batch element rows.elems[j] (j if elems is None).
+
+    q [B, H, Nq, D]; k, v [B, H_kv, Nk, D] with H_kv dividing H (grouped-query attention:
+    query head h reads KV head h // (H / H_kv), as SDPA's enable_gqa; never repeated).
+    attn_mask, causal, sliding_window: as `score_bias`, or `bias` already built from them.
     softcap: Gemma2's s = softcap·tanh(s/softcap) on the scaled scores, before the masks,
-    as flashwatch.attention computes it (ties and row max are of the capped scores).
-    sliding_window: query t hides key j when t - j >= sliding_window, as
-    flashwatch.attention(sliding_window=) does.
-    Returns a Recomputed (o32, pk, tied, row_max).
+    as flashwatch.attention computes it. row_bias [B, 1, Nq, 1]: 0 for a real query,
+    -inf for padding (its row is left out of the max and the ties). every_row=False:
+    the sample only (flashwatch's kernel counted the call's rows): tied and row_max None.
+    Returns a Recomputed.
     """
-    with no_autocast(q.device):  # under the user's autocast FP32 einsums would be BF16
-        return _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap,
-                          sliding_window)
+    with no_autocast(q.device):  # under the user's autocast FP32 products would be BF16
+        if bias is None:
+            bias = score_bias(q.shape[2], k.shape[2], causal=causal, attn_mask=attn_mask,
+                              sliding_window=sliding_window, device=q.device)
+        hides_rows = attn_mask is not None or sliding_window is not None
+        return _recompute(q, k, v, rows, float(scale), bias, row_bias, eps, softcap,
+                          hides_rows, every_row)
 
 
 class Recomputed(NamedTuple):
-    """`recompute`'s FP32 rows, row j·w + i as in its docstring."""
+    """`recompute`'s results: the sample's FP32 rows ([j, h, i] as in its docstring)
+    and every row's statistics per head."""
 
-    o32: torch.Tensor  # [E·w, H, Dv] softmax(s) V
-    pk: torch.Tensor  # [E·w, H, D] softmax(s) K (attention-weighted keys)
-    tied: torch.Tensor  # [E·w, H] bool: a second logit within eps of the row max
-    row_max: torch.Tensor  # [E·w, H] FP32 max logit (-inf: no visible key)
-
-
-# FP32 K and V of at most this many bytes per chunk of batch elements: all of them at
-# once on small models (one batched matmul instead of one per batch element), bounded
-# memory on large ones (GPT-2 Small, B 64: 200 MB if all were upcast together).
-CHUNK_BYTES = 32 << 20
+    o32: torch.Tensor  # [E, H, w, Dv] softmax(s) V
+    pk: torch.Tensor  # [E, H, w, D] softmax(s) K (attention-weighted keys)
+    tied: torch.Tensor | None  # [H] int64 rows with a second score within eps of the max
+    row_max: torch.Tensor | None  # [H] FP32 max score over the rows (-inf: none visible)
+    visible: torch.Tensor | None = None  # [H] rows that see a key (masks that can hide a
+    # whole row only; else every real row does)
 
 
-def _recompute(q, k, v, elems, t, causal, scale, attn_mask, eps, softcap, window=None):
+# FP32 scores of at most this many bytes per chunk (each element's [H, Nq, Nk]): a
+# batched product for all elements on small models, bounded memory on large ones
+# (GPT-2 Small, B 8 × 1,024 tokens: 400 MB if all at once; one element is 50 MB).
+CHUNK_BYTES = 64 << 20
+
+
+def _chunks(B: int, H: int, Nq: int, Nk: int):
+    """(lo, hi, q0, q1): whole elements while one fits CHUNK_BYTES, else query blocks."""
+    per_row = 4 * H * Nk
+    if per_row * Nq <= CHUNK_BYTES:
+        n = max(1, CHUNK_BYTES // (per_row * Nq))
+        return [(lo, min(B, lo + n), 0, Nq) for lo in range(0, B, n)]
+    qb = max(1, CHUNK_BYTES // per_row)
+    return [(b, b + 1, q0, min(Nq, q0 + qb)) for b in range(B) for q0 in range(0, Nq, qb)]
+
+
+def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, every):
     B, H, Nq, D = q.shape
     G, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if H % G or v.shape[1] != G:
         raise ValueError(f"k and v must have the same number of heads, dividing q's {H}; "
                          f"got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    E, w = t.shape
-    mask = None if attn_mask is None else attn_mask.expand(B, H, Nq, Nk)
-    step = max(1, CHUNK_BYTES // (4 * G * Nk * (D + Dv)))
-    # ~20 tensor ops a call whatever R: on small models the probe's cost is per-op
-    # overhead, so no per-row or per-element indexing here (benchmarks/RESULTS.md).
-    outs = []
-    for lo in range(0, E, step):
-        tc = t[lo:lo + step]
-        n = len(tc)
-        if elems is None:  # every element in order: slices, no gather
-            el = torch.arange(lo, lo + n, device=q.device)
-            kv = (k[lo:lo + n], v[lo:lo + n])
-        else:
-            el = elems[lo:lo + step]
-            kv = (k[el], v[el])
-        # Contiguous FP32 copies [n, G, Nk, D]: k and v are usually strided views of one
-        # QKV projection, which the matmuls would copy again (2.2× the recompute's time
-        # on the benchmark GPT).
-        kb, vb = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in kv)
-        qb = q[el[:, None], :, tc].float().transpose(1, 2)  # [n, H, w, D]
-        # The H/G query heads of each KV head as one [H/G·w, D] block against it.
-        s = smallops.matmul(qb.reshape(n, G, -1, D), kb.transpose(-1, -2)).view(
-            n, H, w, Nk) * scale  # [n, H, w, Nk]
+    q32 = q.to(torch.float32, memory_format=torch.contiguous_format)
+    # K and V side by side in FP32, [B, G, Nk, D + Dv]: one product gives PK and O
+    kv32 = torch.cat([k, v], -1, out=torch.empty(B, G, Nk, D + Dv, device=q.device))
+    drawn = set(range(B)) if rows.elems is None else set(rows.elems.tolist())  # host
+    # softcap bends the scaled scores: scale first, then the cap, then the masks
+    cap_scale, scale = (scale / softcap, 1.0) if softcap is not None else (None, scale)
+    pieces, tied, top, seen = [], [], [], []
+    chunks = _chunks(B, H, Nq, Nk)
+    for lo, hi, q0, q1 in chunks:
+        n, m = hi - lo, q1 - q0
+        qc = q32[lo:hi, :, q0:q1].reshape(n, G, -1, D)  # a view unless q is split
+        s = torch.matmul(qc, kv32[lo:hi, :, :, :D].transpose(-1, -2)).view(n, H, m, Nk)
         if softcap is not None:
-            s = torch.tanh(s / softcap).mul_(softcap)
-        if causal or window is not None:  # an additive -inf bias over heads: 10× cheaper
-            cols = torch.arange(Nk, device=q.device)  # than a broadcast fill
-            hidden = cols > tc[..., None] if causal else None  # [n, w, Nk]
-            if window is not None:
-                far = tc[..., None] - cols >= window
-                hidden = far if hidden is None else hidden | far
-            s = s + torch.zeros(hidden.shape, dtype=s.dtype, device=q.device).masked_fill_(
-                hidden, -math.inf)[:, None]
-        if mask is not None:
-            m = mask[el[:, None], :, tc].transpose(1, 2)  # [n, H, w, Nk]
-            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
-        mx = s.amax(-1)
-        # Masked logits (-inf) are below any finite row max minus eps: never tied.
-        tie = (s >= (mx - eps).unsqueeze(-1)).sum(-1) >= 2  # [n, H, w]
-        p = torch.softmax(s, dim=-1)
-        if mask is not None or window is not None:  # causal alone leaves key 0 visible
-            # A row with no visible key: zero weights (O = 0, as SDPA's math backend),
-            # not NaN, and no tie.
-            empty = torch.isneginf(mx)
-            tie = tie & ~empty
-            p = p.masked_fill(empty.unsqueeze(-1), 0.0)
-        pg = p.view(n, G, -1, Nk)
-        o, pk = (smallops.matmul(pg, x).view(n, H, w, -1) for x in (vb, kb))
-        outs.append([x.transpose(1, 2).reshape(n * w, H, *x.shape[3:])
-                     for x in (o, pk, tie, mx)])
-    if len(outs) == 1:
-        return Recomputed._make(outs[0])
-    return Recomputed._make(torch.cat(parts) for parts in zip(*outs, strict=True))
+            s = torch.tanh(s.mul_(cap_scale)).mul_(softcap)
+        if bias is not None:
+            bc = bias[..., q0:q1, :]
+            bc = bc[lo:hi] if bc.dim() == 4 and bc.shape[0] > 1 else bc
+            s = torch.add(bc, s, alpha=scale)
+        elif scale != 1.0:
+            s.mul_(scale)
+        got = _sample_rows(s, rows, drawn, lo, hi, q0, q1, Nq)
+        if got is not None:
+            pieces.append((lo, got))
+        if every:
+            mx, second = _top_two(s)
+            if row_bias is not None:
+                rb = row_bias[lo:hi, :, q0:q1, 0]
+                mx, second = mx + rb, second + rb  # padding: -inf, never tied or max
+            tied.append((second - mx >= -eps).sum((0, 2)))  # -inf - -inf: NaN, not tied
+            top.append(mx.amax((0, 2)))
+            if hides_rows:  # a row hidden whole is no row of the model's: not counted
+                seen.append(torch.isfinite(mx).sum((0, 2)))
+    # elements and positions ascending (sample_rows): the pieces are in the sample's order
+    if chunks[0][3] != Nq:  # blocks of query rows: each element's rows side by side
+        pieces = [(e, torch.cat([x for f, x in pieces if f == e], 2))
+                  for e in dict.fromkeys(e for e, _ in pieces)]
+    p = pieces[0][1] if len(pieces) == 1 else torch.cat([x for _, x in pieces])
+    p = torch.softmax(p, dim=-1)  # [E, H, w, Nk]
+    if hides_rows:  # a row with no visible key: zero weights (O = 0, as SDPA's math
+        p = p.nan_to_num_(0.0)  # backend), not NaN
+    kv = kv32 if rows.elems_dev is None else kv32[rows.elems_dev]
+    E = p.shape[0]
+    opk = torch.matmul(p.view(E, G, -1, Nk), kv).view(E, H, -1, D + Dv)
+    o32, pk = opk[..., D:], opk[..., :D]
+    if not every:
+        return Recomputed(o32, pk, None, None)
+    visible = None if not seen else seen[0] if len(seen) == 1 else torch.stack(seen).sum(0)
+    if len(tied) == 1:
+        return Recomputed(o32, pk, tied[0], top[0], visible)
+    return Recomputed(o32, pk, torch.stack(tied).sum(0), torch.stack(top).amax(0), visible)
 
 
-def o_error(o_used, o32) -> torch.Tensor:
-    """d = O_used - O_fp32 in FP64 (exact), [..., R, H, Dv]: what a Sample keeps."""
-    return o_used.double() - o32.double()
+def _top_two(s):
+    """Each row's largest and second-largest score, [n, H, m] each (the largest key
+    taken out once, so two equal maxima are a tie). torch.max with its index and an
+    amax: 3× faster than topk(2) on the CPU. Overwrites s."""
+    mx, at = s.max(-1, keepdim=True)
+    second = s.scatter_(-1, at, -math.inf).amax(-1)
+    return mx[..., 0], second
 
 
-def c_of(do_rows, d) -> torch.Tensor:
-    """c[T] per head, [..., R, H] float64: Σ_d dO·d (d from `o_error`)."""
-    return (do_rows.double() * d).sum(-1)
+def _sample_rows(s, rows, drawn, lo, hi, q0, q1, n_q):
+    """The scores of the sampled rows in one chunk s [n, H, m, Nk] (elements lo:hi,
+    query rows q0:q1): [r, H, w, Nk] for whole elements, [1, H, w', Nk] for one
+    element's block of rows, or None if the chunk holds none."""
+    n, H, m, Nk = s.shape
+    dev = s.device
+    local = [e for e in range(lo, hi) if e in drawn]
+    if not local:
+        return None
+    if m == n_q:  # whole elements: the w rows of each drawn one
+        if rows.elems is None:
+            t = rows.t_dev[lo:hi]
+        else:
+            j0 = int((rows.elems < lo).sum())  # host
+            t = rows.t_dev[j0:j0 + len(local)]
+            if len(local) < n:
+                s = s[torch.tensor(local).sub_(lo).to(dev, non_blocking=True)]
+        return torch.gather(s, 2, _index(t, s.shape[:2] + (0, s.shape[3]), 2))
+    # one element (lo) in blocks of query rows: its rows inside this block
+    j = lo if rows.elems is None else int((rows.elems < lo).sum())
+    inside = ((rows.t[j] >= q0) & (rows.t[j] < q1)).nonzero()[:, 0]  # host: no sync
+    if len(inside) == 0:
+        return None
+    return s[:, :, (rows.t[j, inside] - q0).to(dev, non_blocking=True)]
+
+
+@dataclass(eq=False)
+class Sample:
+    """One probed call: every row's statistics and the sampled rows' terms, in the
+    sample's grouped layout [E, H, w, ·] (`recompute`), kept until `totals` reduces them
+    with the other calls whose shapes match (stacked: a few dozen ops for all layers
+    instead of a few dozen per call; on a GPU one copy to the host instead of several
+    per call). Memory: O(R·H·D) a call, until its micro-batch is reduced or, with
+    retain_graph, until its graph is freed."""
+
+    heads: torch.Tensor  # [H] int64 (the call's device): its heads in the watcher's table
+    rows_at: Rows  # the sampled rows, host and device
+    tied: torch.Tensor | None  # [H] int64 tied rows over every row (None: kernel counted)
+    row_max: torch.Tensor | None  # [H] FP32 max score over every row
+    rows: torch.Tensor | int  # real query rows counted: a host count, or on the device
+    # ([] under padding, [H] where a mask can hide whole rows)
+    o_used: torch.Tensor  # [E, H, w, Dv] the output the backward's δ reads
+    o32: torch.Tensor  # [E, H, w, Dv] FP32 softmax(s) V
+    pk: torch.Tensor  # [E, H, w, D] FP32 softmax(s) K
+    x: torch.Tensor | None  # [E, w, d_model] the Q projection's input at the rows
+    q: torch.Tensor | None  # [E, H, w, D] FP32 q at the rows, where there is no usable x
+    weight: torch.Tensor | None  # [E, w] 1 for a real query, 0 for padding (None: all real)
+    omegas: object  # the layer's DeviceConstants (Ω_x, Ω_a, Ω_q on the call's device)
+    share_scale: float  # α²·B·Nq/R: each sampled row stands for B·Nq/R rows
+    g: torch.Tensor | None = None  # [E, H, w, Dv] dO at the rows, set by the gradient hook
+    c: torch.Tensor | None = None  # [E, H, w] float64 c where the kernel gave it
+    c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row of the
+    # call, where flashwatch's kernel gave c on every row (else over the sample)
+    shape: tuple = (0, 0)  # (B, Nq) of the call, on the host
+
+    @property
+    def has_grad(self) -> bool:
+        return self.g is not None or self.c is not None
+
+    @property
+    def n_rows(self) -> int:
+        return self.rows_at.t.numel()
 
 
 def delta_error(do_rows, o_used, o32) -> torch.Tensor:
     """c[T] per head, [..., R, H] float64: Σ_d dO·(O_used - O_fp32), exact in FP64."""
-    return c_of(do_rows, o_error(o_used, o32))
+    return (do_rows.double() * (o_used.double() - o32.double())).sum(-1)
 
 
 def sketch(c, z, y) -> torch.Tensor:
@@ -168,48 +323,51 @@ def sketch(c, z, y) -> torch.Tensor:
     return torch.einsum("...rh,...rhk,...rhl->...hkl", c, z, y)
 
 
-@dataclass(eq=False)
-class Sample:
-    """One probed call's sampled rows, reduced with the other calls by `totals` (at the
-    report, or once a micro-batch's worth of calls has its gradient): stacked over the
-    calls whose shapes match, a few dozen ops for all layers instead of a few dozen per
-    call (per-op overhead is the probe's cost on small models: benchmarks/RESULTS.md),
-    and on a GPU one copy to the host instead of several per call. Memory: O(R·H·D) a
-    call (d), from its forward until its micro-batch is reduced or, with retain_graph,
-    until its graph is freed (each further backward through it adds its own c)."""
-
-    heads: torch.Tensor  # [H] int64 (the call's device): the layer's heads in the watcher's arrays
-    b: torch.Tensor  # [R] batch element of each row (the call's device)
-    t: torch.Tensor  # [R] query position of each row
-    tied: torch.Tensor  # [R, H] bool
-    row_max: torch.Tensor  # [R, H]
-    z: torch.Tensor  # [R, k] Ω_xᵀ X[T], or [R, H, k] Ω_qᵀ q[T] (no X)
-    y: torch.Tensor  # [R, H, k] Ω_aᵀ PK[T]
-    share_w: torch.Tensor | None  # [R, H] float64 α²·(rows/R)·‖X‖²‖PK‖², None without X
-    d: torch.Tensor  # [R, H, Dv] float64 O_used - O_fp32 of the rows (c = Σ_d dO·d)
-    c: torch.Tensor | None = None  # [R, H] float64, set by the gradient hook
-    c_all: torch.Tensor | None = None  # [2, H] float64 (Σc, Σc²) over every row of the
-    # call, where flashwatch's kernel gave c on every row (else Σ over the sample)
-    shape: tuple = (0, 0)  # (B, Nq) of the call, on the host
+# The summed fields of Totals, in an order where those a group of samples has are
+# contiguous: (tied, rows) when the probe counted every row, (delta_sum, delta_sq) with a
+# gradient, share_num with X as well.
+SUMS = ("tied", "rows", "delta_sum", "delta_sq", "share_num")
 
 
-def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None,
-           device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Per-head sums over the samples, added into `out` (new if None, on `device`, where
-    the samples are: nothing moves to the host here): [n_heads] float64 (G [n_heads, k,
-    k]): tied (tied sampled rows), row_max (max over the
-    sampled rows, -inf if none), G, and from the samples with c: delta_sum, delta_sq
-    (Σc, Σc²: over every row where the kernel gave c_all, else over the sampled rows)
-    and share_num (Σ ‖e_T‖²)."""
-    if out is None:
+class Totals:
+    """A step's per-head sums on the device, packed so that a micro-batch adds into them
+    with one op per kind: `sums` [6, n] float64 (SUMS, then row_max: -inf if none) and
+    G [n, k, k]. Read like a dict (`items()`, `[name]`)."""
+
+    def __init__(self, n: int, k: int, device, sums=None, G=None):
         f64 = dict(dtype=torch.float64, device=device)
-        out = dict(tied=torch.zeros(n_heads, **f64),
-                   row_max=torch.full((n_heads,), -math.inf, **f64),
-                   G=torch.zeros(n_heads, k, k, **f64), delta_sum=torch.zeros(n_heads, **f64),
-                   delta_sq=torch.zeros(n_heads, **f64), share_num=torch.zeros(n_heads, **f64))
+        if sums is None:
+            sums = torch.zeros(len(SUMS) + 1, n, **f64)
+            sums[-1] = -math.inf
+            G = torch.zeros(n, k, k, **f64)
+        self.sums, self.G = sums, G
+
+    def copy(self) -> Totals:
+        return Totals(0, 0, None, self.sums.clone(), self.G.clone())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name == "G":
+            return self.G
+        return self.sums[-1] if name == "row_max" else self.sums[SUMS.index(name)]
+
+    def items(self):
+        return [(name, self[name]) for name in (*SUMS, "row_max", "G")]
+
+
+def totals(samples: list[Sample], n_heads: int, k: int, out: Totals | None = None,
+           device: torch.device | str = "cpu") -> Totals:
+    """Per-head sums over the samples, added into `out` (new if None, on `device`, where
+    the samples are: nothing moves to the host here), float64: tied and rows (every row
+    of the calls the probe counted), row_max (-inf if none), and from the samples with a
+    gradient: G, delta_sum, delta_sq (Σc, Σc²: over every row where the kernel gave
+    c_all, else over the sampled rows) and share_num (Σ ‖e_T‖²)."""
+    if out is None:
+        out = Totals(n_heads, k, device)
     groups: dict = {}
     for s in samples:
-        key = (s.tied.shape, s.z.shape, s.y.shape, s.tied.device, s.share_w is None,
+        key = (s.o32.shape, s.pk.shape, s.o32.device, s.tied is None, s.x is None,
+               getattr(s.rows, "shape", None),
+               None if s.x is None else s.x.shape, s.weight is None, s.g is None,
                s.c is None, s.c_all is None)
         groups.setdefault(key, []).append(s)
     for members in groups.values():
@@ -217,29 +375,60 @@ def totals(samples: list[Sample], n_heads: int, k: int, out: dict | None = None,
     return out
 
 
-def _add_group(ms: list[Sample], out: dict) -> None:
+def _add_group(ms: list[Sample], out: Totals) -> None:
     """`totals` of samples of one shape: each field stacked over the L samples."""
     def stack(name):
         return torch.stack([getattr(m, name) for m in ms])
 
-    dev = out["G"].device
-    idx = torch.cat([m.heads.to(dev, non_blocking=True) for m in ms])  # [L·H]
-    parts = {"tied": stack("tied").sum(1), "row_max": stack("row_max").amax(1)}  # [L, H]
+    def flat_rows(x):  # [L, E, H, w, ...] -> [L, E·w, H, ...] (the order of probe.flat)
+        return x.transpose(2, 3).flatten(1, 2)
+
+    dev = out.G.device
+    idx = torch.cat([m.heads for m in ms]).to(dev, non_blocking=True)  # [L·H]
+    H = ms[0].o32.shape[1]
+    parts = {}
     first = ms[0]
-    if first.c is not None:  # no c: no gradient reached these calls
-        c = stack("c")  # [L, R, H]
+    if first.tied is not None:  # every row's statistics, counted by the probe
+        parts["tied"], parts["row_max"] = stack("tied"), stack("row_max")
+        rows = [m.rows for m in ms]
+        if not isinstance(rows[0], torch.Tensor):  # host counts
+            rows = torch.tensor(rows, dtype=torch.float64).to(dev, non_blocking=True)
+        else:
+            rows = torch.stack(rows)
+        parts["rows"] = rows if rows.dim() == 2 else rows[:, None].expand(-1, H)
+    if first.has_grad:  # no gradient reached these calls: no c
+        if first.c is not None:
+            c = stack("c")  # [L, E, H, w]
+        else:
+            c = delta_error(stack("g"), stack("o_used"), stack("o32"))
+        if first.weight is not None:  # padding queries: no error of theirs counts
+            c = c * stack("weight")[:, :, None]
         if first.c_all is not None:  # Σc, Σc² over every row came with it
             c_all = stack("c_all")
             parts["delta_sum"], parts["delta_sq"] = c_all[:, 0], c_all[:, 1]
         else:
-            parts["delta_sum"], parts["delta_sq"] = c.sum(1), c.square().sum(1)
-        G = sketch(c, stack("z"), stack("y"))  # [L, H, k, k]
-        out["G"].index_add_(0, idx, G.reshape(-1, *G.shape[2:]).to(dev))
-        if first.share_w is not None:
-            parts["share_num"] = (stack("share_w") * c.square()).sum(1)
-    for name, v in parts.items():
-        v = v.reshape(-1).double().to(dev)
-        if name == "row_max":
-            out[name].scatter_reduce_(0, idx, v, reduce="amax")
+            parts["delta_sum"], parts["delta_sq"] = c.sum((1, 3)), c.square().sum((1, 3))
+        c, pk = flat_rows(c), flat_rows(stack("pk"))  # [L, R, H], [L, R, H, D]
+        y = torch.matmul(pk, torch.stack([m.omegas.omega_a for m in ms])[:, None])
+        if first.x is not None:
+            x = stack("x").flatten(1, 2).float()  # [L, R, d_model]
+            z = torch.matmul(x, torch.stack([m.omegas.omega_x for m in ms]))
+            # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
+            # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each
+            w = torch.tensor([m.share_scale for m in ms], dtype=torch.float64)
+            norms = (torch.linalg.vecdot(x, x).double()[..., None]
+                     * torch.linalg.vecdot(pk, pk).double())  # [L, R, H]
+            parts["share_num"] = (norms * c.square()).sum(1) * w.to(dev, non_blocking=True)[
+                :, None]
         else:
-            out[name].index_add_(0, idx, v)
+            z = torch.matmul(flat_rows(stack("q")),
+                             torch.stack([m.omegas.omega_q for m in ms])[:, None])
+        G = sketch(c, z, y)  # [L, H, k, k]
+        out.G.index_add_(0, idx, G.reshape(-1, *G.shape[2:]))
+    row_max = parts.pop("row_max", None)
+    if row_max is not None:
+        out.sums[-1].scatter_reduce_(0, idx, row_max.reshape(-1).double(), reduce="amax")
+    if parts:  # a contiguous run of SUMS: one add for all of them
+        lo = SUMS.index(next(iter(parts)))
+        vals = torch.stack([parts[f] for f in SUMS[lo:lo + len(parts)]])
+        out.sums[lo:lo + len(parts)].index_add_(1, idx, vals.reshape(len(parts), -1).double())

@@ -18,7 +18,7 @@ from flashwatch.monitor import probe
 from flashwatch.monitor.attach import recomputing
 from flashwatch.monitor.layer_state import LayerState, to_device
 from flashwatch.monitor.ledger import ErrorLedger
-from flashwatch.signals import smallops
+from flashwatch.monitor.tokens import Tokens
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -29,6 +29,7 @@ class EveryRow:
     o32: torch.Tensor  # [B, H, Nq, Dv] the kernel's FP32 O (accumulator / l)
     fp32_heads: torch.Tensor | None  # [H] bool, the call's device: FP32_O heads (δ exact)
     bf16_delta: bool  # backend="paper": δ is a BF16 product and rowsum
+    valid: torch.Tensor | None  # [B, Nq] float 1 real query, 0 padding (None: all real)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -53,9 +54,10 @@ class ProbeRecorder:
         self.gen = torch.Generator().manual_seed(config.seed)
         # probe.totals of the step's samples reduced so far (`_sample_done`), and how many
         # samples got their c since
-        self.totals: dict | None = None
+        self.totals: probe.Totals | None = None
         self.samples_done = 0
         self.traced_ids = itertools.count()  # ids of the probed calls in compiled code
+        self.tokens = Tokens(self.warn_once)  # real query rows and the forward's masks
 
     def warn_once(self, st: LayerState, key: str, message: str) -> None:
         self.ledger.warn_once((st.site.name, key), message)
@@ -118,29 +120,34 @@ class ProbeRecorder:
 
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None,
                sliding_window=None):
-        """Sample rows of the call, recompute them in FP32, keep their Sample; returns
-        the ProbedCall for the gradient step, None if not probed."""
+        """Every row's max logit and ties (unless the kernel counted them), the sampled
+        rows' FP32 recomputation, kept as a Sample; returns the ProbedCall for the
+        gradient step, None if not probed."""
         cfg = self.config
         o32_all, st.buf.o32 = (st.buf.o32 if routed else None), None
+        counted, st.buf.kernel_counted = st.buf.kernel_counted and routed, False
         if q.dim() != 4 or out.shape[:3] != q.shape[:3]:
             self.warn_once(st, "shape", f"flashwatch: {st.site.name}: attention on shape "
                             f"{tuple(q.shape)} is not [B, H, N, D]; not probed")
             return None
         B, H, Nq, D = q.shape
+        Nk = k.shape[2]
         scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
         with torch.no_grad(), no_autocast(q.device):
             q, k, v, out = q.detach(), k.detach(), v.detach(), out.detach()
             n_rows = B * Nq if cfg.rows_per_head == "all" else cfg.rows_per_head
-            elems, tq = probe.sample_rows(self.gen, B, Nq, n_rows)
-            elems = None if elems is None else to_device(elems, q.device)
-            tq = to_device(tq, q.device)
+            rows = probe.rows_on(*probe.sample_rows(self.gen, B, Nq, n_rows), q.device)
+            R = rows.t.numel()
             consts = st.on_device(q.device)  # Ω_x, Ω_a, Ω_q, heads
-            b, t = probe.flat(elems, tq)
-            st.buf.sampled = st.buf.sampled or len(b) < B * Nq  # G from some rows only
-            rec = probe.recompute(q, k, v, elems, tq, causal=causal, scale=scale,
+            st.buf.sampled = st.buf.sampled or R < B * Nq  # G from some rows only
+            valid = self.tokens.rows(st, B, Nq, q.device)
+            bias = self.tokens.bias(mask, causal, sliding_window, Nq, Nk, q.device)
+            rec = probe.recompute(q, k, v, rows, causal=causal, scale=scale,
                                   attn_mask=mask, eps=cfg.eps, softcap=softcap,
-                                  sliding_window=sliding_window)
-            o_used = out[b, :, t].float()
+                                  sliding_window=sliding_window, bias=bias,
+                                  row_bias=None if valid is None else valid.row_bias,
+                                  every_row=not counted)
+            o_used = probe.take(out, rows, 2)
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
             fp32_dev = None
             if routed and bool(fp32_heads.any()):
@@ -148,43 +155,40 @@ class ProbeRecorder:
                 # FP32 rounding, far below what the probe resolves: count it as 0. A where,
                 # not boolean indexing (nonzero: a host sync on CUDA).
                 fp32_dev = to_device(fp32_heads, q.device)
-                o_used = torch.where(fp32_dev[None, :, None], rec.o32, o_used)
+                o_used = torch.where(fp32_dev[None, :, None, None], rec.o32, o_used.float())
             every_row = None
             if o32_all is not None:
                 # O_fp32 = the kernel's FP32 accumulator divided by l: exactly what the
                 # FP32_O fix hands δ, so c measures the rounding that fix removes. Both
                 # are saved for the backward anyway: holding them costs no memory.
                 every_row = EveryRow(out=out, o32=o32_all.permute(1, 0, 2, 3),
-                                     fp32_heads=fp32_dev, bf16_delta=st.buf.o32_paper)
-            z, share_w = self._sketch_terms(st, q, x, b, t, rec.pk, scale, consts.omega_x,
-                                            consts.omega_q)
-            y = smallops.matmul(rec.pk, consts.omega_a)  # [R, H, k]
-        sample = probe.Sample(heads=consts.heads, b=b, t=t, tied=rec.tied, row_max=rec.row_max,
-                              z=z, y=y, share_w=share_w, d=probe.o_error(o_used, rec.o32),
-                              shape=(B, Nq))
+                                     fp32_heads=fp32_dev, bf16_delta=st.buf.o32_paper,
+                                     valid=None if valid is None else valid.mask)
+            xr, qr = self._rows_in(st, x, q, rows)
+            weight = None if valid is None else probe.take(valid.mask, rows, 1)
+        sample = probe.Sample(
+            heads=consts.heads, rows_at=rows, tied=rec.tied, row_max=rec.row_max,
+            rows=0 if counted else rec.visible if rec.visible is not None else (
+                B * Nq if valid is None else valid.count),
+            o_used=o_used, o32=rec.o32, pk=rec.pk, x=xr, q=qr, weight=weight, omegas=consts,
+            share_scale=scale ** 2 * B * Nq / R, shape=(B, Nq))
         st.buf.samples.append(sample)
-        st.buf.probe_rows += len(b)  # with its ties, never apart from them
+        st.buf.probe_rows += R
         return ProbedCall(sample=sample, every_row=every_row, rows=B * Nq)
 
-    def _sketch_terms(self, st, q, x, b, t, pk, scale, omega_x, omega_q):
-        """z[T] (Ω_xᵀ X[T] [R, k], or Ω_qᵀ q[T] [R, H, k] without a usable X) and the
-        error share's weights ([R, H] float64, None without X)."""
+    def _rows_in(self, st, x, q, rows):
+        """(X at the sampled rows, None) where the Q projection's input fits the call,
+        else (None, q at the rows in FP32): the q-space sketch terms, and no δ share."""
         B, _, Nq, _ = q.shape
-        # Share of the W^Q gradient (docs/design.md §5): e_T = α c[T] PK[T] X[T]ᵀ is
-        # rank 1, ‖e_T‖² = α² c² ‖PK‖² ‖X‖²; sampled rows stand for B·Nq / R rows each.
         if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                 x.shape[2] == st.site.d_model:
-            xr = x.detach()[b, t].float()
-            f64 = torch.float64  # squares in FP32 (a weight: 1e-7 is plenty), sums in FP64
-            share_w = (scale ** 2 * B * Nq / len(b)) * (
-                xr.square().sum(-1, keepdim=True, dtype=f64) * pk.square().sum(-1, dtype=f64))
-            return smallops.matmul(xr, omega_x), share_w
+            return probe.take(x.detach(), rows, 1), None
         if x is not None:
             self.warn_once(st, "x", f"flashwatch: {st.site.name}: the Q projection's "
                             f"input has shape {tuple(x.shape)}, not [B, Nq, d_model] = "
                             f"{[B, Nq, st.site.d_model]} as q's batch and query length "
                             f"give it; using q-space sketch terms (no δ error share)")
-        return smallops.matmul(q[b, :, t].float(), omega_q), None
+        return None, probe.take(q, rows, 2).float()
 
     def _hook_recompute(self, st, out):
         """Activation checkpointing's recompute of a call already counted: count nothing
@@ -196,11 +200,11 @@ class ProbeRecorder:
             return
         call = st.buf.no_grad_samples.pop()
         sample = call.sample
-        d = sample.d
         # the call's shape, known on the host (b.max() would be a host sync)
         if out.dim() != 4 or not (sample.shape[0] <= out.shape[0]
                                   and sample.shape[1] <= out.shape[2]
-                                  and d.shape[1:] == (out.shape[1], out.shape[3])):
+                                  and sample.o32.shape[1] == out.shape[1]
+                                  and sample.o32.shape[3] == out.shape[3]):
             self.warn_once(st, "recompute", f"flashwatch: {st.site.name}: a recomputed "
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
@@ -219,7 +223,7 @@ class ProbeRecorder:
             with self.ledger.guard(f"gradient probe {st.site.name}"):
                 with torch.no_grad(), no_autocast(grad.device):
                     s, every = call.sample, call.every_row
-                    b, t = s.b, s.t
+                    R = s.n_rows
                     if every is not None:  # c = δ_used - rowsum(dO ∘ O_fp32)
                         if every.bf16_delta:  # the paper backward's δ: product and sum in BF16
                             c_all = (grad * every.out).sum(-1).double() - (
@@ -229,28 +233,29 @@ class ProbeRecorder:
                                 -1, dtype=torch.float64)
                         if every.fp32_heads is not None:  # δ used the FP32 O: no error
                             c_all = c_all.masked_fill(every.fp32_heads[None, :, None], 0.0)
+                        if every.valid is not None:  # padding queries: not the model's
+                            c_all = c_all * every.valid[:, None, :]
                         # The sampled rows' c is the kernel's own: exactly what FP32_O
                         # removes. Elsewhere it is against the probe's FP32 recomputation,
                         # which also counts the rounding of P̄ in O (reads high: docs/limits.md).
-                        c = c_all[b, :, t]  # [R, H]
+                        c = probe.take(c_all, s.rows_at, 2)  # [E, H, w]
                         sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.buf.delta_rows += c_all.shape[0] * c_all.shape[2]
-                    else:
-                        c = probe.c_of(grad[b, :, t], s.d)
-                        sums = None
-                        st.buf.delta_rows += len(b)
-                        st.buf.delta_missed += call.rows - len(b)
-                    if s.c is None:
-                        s.c, s.c_all = c, sums
+                        g = None
+                    else:  # c follows in probe.totals, with the other layers' rows
+                        c, sums, g = None, None, probe.take(grad, s.rows_at, 2)
+                        st.buf.delta_rows += R
+                        st.buf.delta_missed += call.rows - R
+                    if not s.has_grad:
+                        s.c, s.c_all, s.g = c, sums, g
                     else:  # a further backward through the call (retain_graph): its
                         # gradient adds to W^Q's, so its c counts too, as a record of its
                         # own; its rows' ties were counted with the forward's
                         st.buf.samples.append(dataclasses.replace(
-                            s, c=c, c_all=sums, tied=torch.zeros_like(s.tied),
-                            row_max=torch.full_like(s.row_max, -math.inf)))
-                    st.buf.grad_rows += len(b)
-                    if s.share_w is not None:
-                        st.buf.share_rows += len(b)
+                            s, c=c, c_all=sums, g=g, tied=None, row_max=None, rows=0))
+                    st.buf.grad_rows += R
+                    if s.x is not None:
+                        st.buf.share_rows += R
                     self._sample_done()
             self.ledger.seconds += time.perf_counter() - t0
             return None
@@ -262,6 +267,7 @@ class ProbeRecorder:
         for st in self.states:
             st.reset()
         self.totals, self.samples_done = None, 0
+        self.tokens.clear()
 
     def _sample_done(self) -> None:
         """Once as many calls as there are layers have their c (a micro-batch, usually),
@@ -271,13 +277,13 @@ class ProbeRecorder:
         if self.samples_done < len(self.states):
             return
         self.samples_done = 0
-        done = [s for st in self.states for s in st.buf.samples if s.c is not None]
+        done = [s for st in self.states for s in st.buf.samples if s.has_grad]
         # Into a copy: if the reduction fails, the samples stay for step() to reduce.
-        acc = None if self.totals is None else {k: v.clone() for k, v in self.totals.items()}
+        acc = None if self.totals is None else self.totals.copy()
         self.totals = probe.totals(done, self.n_heads, self.config.sketch_dim, acc,
-                                    device=done[0].d.device if done else "cpu")
+                                    device=done[0].o32.device if done else "cpu")
         for st in self.states:
-            st.buf.samples = [s for s in st.buf.samples if s.c is None]
+            st.buf.samples = [s for s in st.buf.samples if not s.has_grad]
             # reduced: only a further backward (retain_graph) would look for it again
             st.buf.traced_pending = {i: call for i, call in st.buf.traced_pending.items()
-                                     if call.sample.c is None}
+                                     if not call.sample.has_grad}

@@ -284,20 +284,24 @@ def local_wq_rows(site: AttentionSite):
 
 
 def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(‖dW^Q_h‖²_F per head [H] float64 on the gradient's device, averaged) from the Q projection's
-    weight gradient `grad` (nn.Linear orientation). A plain tensor is this rank's own
-    gradient (averaged=False). A DTensor is FSDP2's shard of the gradient averaged over
-    ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
-    so that the cross-rank SUM of the watcher's reduction gives the averaged gradient's
-    norm without a gather; any other layout is gathered and counted on rank 0 only."""
+    """(‖dW^Q_h‖²_F per head [H] (FP32 or FP64) on the gradient's device, averaged) from
+    the Q projection's weight gradient `grad` (nn.Linear orientation). A plain tensor is
+    this rank's own gradient (averaged=False). A DTensor is FSDP2's shard of the gradient
+    averaged over ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums
+    its own rows, so that the cross-rank SUM of the watcher's reduction gives the averaged
+    gradient's norm without a gather; any other layout is gathered and counted on rank 0
+    only."""
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
     if site.global_heads is not None and is_dtensor(grad):  # TP: this rank's own heads
         grad = grad.to_local()
     if not is_dtensor(grad):
-        g = q_rows(site, grad.detach()).float().reshape(H, D, -1)
-        return g.square().sum((1, 2)).double(), False
+        # one op on a monitored step's backward (FP32 dot products: ≈ 1e-6 relative,
+        # plenty for a share); the FP64 conversion happens with every layer's at once
+        g = q_rows(site, grad.detach()).reshape(H, -1)
+        g = g if g.dtype == torch.float32 else g.float()
+        return torch.matmul(g[:, None], g[:, :, None]).view(H), False  # bmm: one op
     found = (None if site.q_slice_of_output is None
              else _dim0_rows(grad, *site.q_slice_of_output, D))
     if found is not None:

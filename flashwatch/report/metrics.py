@@ -83,16 +83,18 @@ _SINCE = " (counted by this exporter since it started)"
 METRICS = (
     # ---- per head: the HeadRecord fields, in this order
     Metric("tied_rowmax_ratio", "ratio", "head",
-           "Fraction of attention rows whose max score is tied within eps (all rows when "
-           "flashwatch's kernel runs, sampled rows otherwise).",
+           "Fraction of attention rows whose max score is tied within eps: every real "
+           "query row of the step (padding left out), whatever kernel ran.",
            healthy="< 0.02 (i.i.d. Gaussian logits, N = 1024: ≈ 0.004)", limit=0.02,
            layer_max=True, prometheus="gauge", logged=True),
     Metric("attention_max_logit", "score", "head",
-           "Largest scaled attention score (softmax scale applied).",
+           "Largest scaled attention score (softmax scale applied), exact over every real "
+           "query row of the step (padding left out).",
            healthy="15–18 at ordinary settings; hundreds and more is the hazard",
            layer_max=True, prometheus="gauge", logged=True),
     Metric("delta_error_sum", "1", "head",
-           "Sum over the rows (every row when flashwatch's kernel ran, else sampled rows) "
+           "Sum over the real query rows (every row when flashwatch's kernel ran or with "
+           "rows_per_head=\"all\", else rows_per_head sampled rows) "
            "of the backward delta error c[T] = rowsum(dO*O_used) - rowsum(dO*O_fp32), "
            "latest monitored step.",
            healthy="changes sign from step to step", prometheus="gauge", logged=True,

@@ -10,9 +10,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from _helpers import llama_with_qk_bias, qk_gpt, token_batch
-from torch.overrides import TorchFunctionMode
+from sdpa_calls import SdpaCalls, scores
 
 import flashwatch as fw
 from flashwatch.mitigation import qkclip
@@ -23,34 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TAU = 4.0
 
 
-class _MaxLogits(TorchFunctionMode):
-    """The oracle: max scaled score per head of every SDPA call, from q and k as the
-    model passes them (computed here in FP64, independent of flashwatch)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k = args[0].double(), args[1].double()
-            scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
-            s = q @ k.transpose(-1, -2) * scale
-            if kwargs.get("is_causal"):
-                n = s.shape[-1]
-                s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
-            self.calls.append(s.amax((0, 2, 3)))
-        return func(*args, **kwargs)
-
-
 def site_max_logits(sites, inputs) -> list[torch.Tensor]:
     """Max logit per head of each site's attention module run on the given input."""
     out = []
     for site, inp in zip(sites, inputs, strict=True):
-        with torch.no_grad(), _MaxLogits() as m:
+        with torch.no_grad(), SdpaCalls() as m:
             site.module(inp)
-        out.append(m.calls[0])
+        out.append(scores(m.calls[0]).amax((0, 2, 3)))
     return out
 
 

@@ -1,4 +1,5 @@
-"""flashwatch/monitor/probe.py: FP32 recomputation of sampled rows, c[T] and the sketch G."""
+"""flashwatch/monitor/probe.py: every row's max logit and ties, the FP32 recomputation of
+sampled rows, c[T] and the sketch G."""
 
 from __future__ import annotations
 
@@ -22,17 +23,41 @@ def _rows(q, b, t):
     return q[b, :, t]
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 1])
+def _flat(x):
+    """[E, H, w, ·] (the probe's grouped rows) -> [E·w, H, ·], rows in probe.flat's order."""
+    return x.transpose(1, 2).flatten(0, 1)
+
+
+def _recompute(q, k, v, elems, t, **kw):
+    r = probe.recompute(q, k, v, probe.rows_on(elems, t, q.device), **kw)
+    return _flat(r.o32), _flat(r.pk), r.tied, r.row_max
+
+
+def _every_row(s, eps=1e-3, real=None):
+    """FP64 truth per head over every row (real [B, N] bool: those rows only): tied
+    rows (≥ 2 scores within eps of a finite row max) and the max score."""
+    mx = s.amax(-1, keepdim=True)
+    tied = ((s >= mx - eps).sum(-1) >= 2) & torch.isfinite(mx[..., 0])
+    if real is not None:
+        tied = tied & real[:, None]
+        mx = mx.masked_fill(~real[:, None, :, None], -math.inf)
+    return tied.sum((0, 2)), mx.amax((0, 2, 3))
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4 * 3 * 37 * 37 * 2, 4 * 3 * 37 * 10])
 @pytest.mark.parametrize("mask_kind", [None, "causal", "bool", "float"])
 @pytest.mark.parametrize("n_rows", [20, 2])
 def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, n_rows, monkeypatch):
-    """chunk_bytes=1: one batch element per chunk (the path large models take).
+    """Chunks: all elements at once, two elements per chunk, and blocks of 10 query rows
+    of one element (the path long sequences take: 37 = 10 + 10 + 10 + 7).
     n_rows=2 < B: a random subset of the batch elements, gathered."""
     if chunk_bytes is not None:
         monkeypatch.setattr(probe, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
     B, H, N, D = 3, 3, 37, 16
     q, k, v = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
+    k[:, :, 3] = k[:, :, 2]  # rows 20-24 have two equal maxima: tied
+    q[:, :, 20:25] = 2 * k[:, :, 2:3]
     scale = D ** -0.5
     mask = None
     if mask_kind == "bool":
@@ -43,7 +68,7 @@ def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, n_rows, monkeypatch
     elems, tq = probe.sample_rows(g, B, N, n_rows)
     b, t = probe.flat(elems, tq)
     assert len(b) == (21 if n_rows == 20 else 2)  # 3 elements × 7 rows; 2 elements × 1
-    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq,
+    o32, pk, tied, row_max = _recompute(q, k, v, elems, tq,
                                              causal=mask_kind == "causal", scale=scale,
                                              attn_mask=mask, eps=1e-3)
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
@@ -56,11 +81,10 @@ def test_recompute_matches_fp64_rows(mask_kind, chunk_bytes, n_rows, monkeypatch
     p = torch.softmax(s, -1)
     assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
     assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
-    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
-                          atol=1e-5)
-    assert tied.shape == (len(b), H) and tied.dtype == torch.bool
-    want_tied = (s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2
-    assert torch.equal(tied, _rows(want_tied, b, t))
+    want_tied, want_max = _every_row(s)
+    assert torch.allclose(row_max.double(), want_max, atol=1e-5)
+    assert tied.shape == (H,) and torch.equal(tied, want_tied)
+    assert want_tied.sum() >= B * H * 5 or mask_kind in ("bool", "float")
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
@@ -73,17 +97,16 @@ def test_recompute_of_grouped_query_attention_matches_repeated_kv(kv_heads):
     k, v = (torch.randn(B, kv_heads, N, D, generator=g).bfloat16() for _ in range(2))
     elems, tq = probe.sample_rows(g, B, N, 10)
     b, t = probe.flat(elems, tq)
-    o32, pk, _, row_max = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.3,
+    o32, pk, _, row_max = _recompute(q, k, v, elems, tq, causal=True, scale=0.3,
                                           eps=1e-3)
     kr, vr = (x.double().repeat_interleave(H // kv_heads, dim=1) for x in (k, v))
     s = ((q.double() @ kr.transpose(-1, -2)) * 0.3).masked_fill(causal_mask(N, N), -math.inf)
     p = torch.softmax(s, -1)
     assert torch.allclose(o32.double(), _rows(p @ vr, b, t), atol=1e-5)
     assert torch.allclose(pk.double(), _rows(p @ kr, b, t), atol=1e-5)
-    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
-                          atol=1e-5)
+    assert torch.allclose(row_max.double(), s.amax((0, 2, 3)), atol=1e-5)
     with pytest.raises(ValueError, match="dividing"):
-        probe.recompute(q, k[:, :1].expand(B, 3, N, D), v, elems, tq, causal=True,
+        _recompute(q, k[:, :1].expand(B, 3, N, D), v, elems, tq, causal=True,
                         scale=0.3, eps=1e-3)
 
 
@@ -98,7 +121,7 @@ def test_recompute_applies_softcap_before_the_masks(cap):
     mask[..., 0] = True
     elems, tq = probe.sample_rows(g, B, N, 12)
     b, t = probe.flat(elems, tq)
-    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25,
+    o32, pk, tied, row_max = _recompute(q, k, v, elems, tq, causal=True, scale=0.25,
                                              attn_mask=mask, eps=1e-3, softcap=cap)
     s = (q.double() @ k.double().transpose(-1, -2)) * 0.25
     s = cap * torch.tanh(s / cap)
@@ -106,32 +129,34 @@ def test_recompute_applies_softcap_before_the_masks(cap):
     p = torch.softmax(s, -1)
     assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
     assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
-    assert torch.allclose(row_max.double(), _rows(s.amax(-1, keepdim=True), b, t)[..., 0],
-                          atol=1e-5)
+    want_tied, want_max = _every_row(s)
+    assert torch.allclose(row_max.double(), want_max, atol=1e-5)
     assert row_max.max() < cap
-    want_tied = (s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2
-    assert torch.equal(tied, _rows(want_tied, b, t))
+    assert torch.equal(tied, want_tied)
 
 
 def test_recompute_ignores_the_users_autocast():
     g = torch.Generator().manual_seed(4)
     q, k, v = (3 * torch.randn(2, 2, 30, 16, generator=g).bfloat16() for _ in range(3))
     elems, tq = probe.sample_rows(g, 2, 30, 12)
-    want = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
+    want = _recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = probe.recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
+        got = _recompute(q, k, v, elems, tq, causal=True, scale=0.25, eps=1e-3)
     for a, w in zip(got, want, strict=True):
         assert a.dtype == w.dtype and torch.equal(a, w)
 
 
-def test_a_row_with_no_visible_key_gives_zero_not_nan():
+def test_a_row_with_no_visible_key_gives_zero_not_nan_and_is_not_a_row():
     q, k, v = (torch.randn(1, 2, 6, 8) for _ in range(3))
     mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     mask[..., 3, :] = False  # left padding: row 3 sees nothing
-    o32, pk, tied, _ = probe.recompute(q, k, v, torch.tensor([0]), torch.arange(6)[None],
+    whole = probe.recompute(q, k, v, probe.rows_on(None, torch.arange(6)[None], "cpu"),
+                            causal=False, scale=1.0, attn_mask=mask, eps=1e-3)
+    assert whole.visible.tolist() == [5, 5]  # the tie ratio's denominator per head
+    o32, pk, tied, _ = _recompute(q, k, v, torch.tensor([0]), torch.arange(6)[None],
                                        causal=False, scale=1.0, attn_mask=mask, eps=1e-3)
     assert torch.isfinite(o32).all() and torch.isfinite(pk).all()
-    assert (o32[3] == 0).all() and not tied[3].any()
+    assert (o32[3] == 0).all() and tied.tolist() == [0, 0]
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                                             scale=1.0)
     assert torch.allclose(o32.transpose(0, 1)[None], sdpa, atol=1e-6)
@@ -143,10 +168,10 @@ def test_recompute_counts_planted_ties():
     k = torch.zeros(1, 1, 6, 8)
     k[0, 0, :, 0] = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0 - 2e-3, 0.0])
     v = torch.randn(1, 1, 6, 8)
-    _, _, tied, _ = probe.recompute(q, k, v, torch.tensor([0]), torch.arange(4)[None],
+    _, _, tied, _ = _recompute(q, k, v, torch.tensor([0]), torch.arange(4)[None],
                                     causal=True, scale=1.0, eps=1e-3)
     # row 0 sees [1]; row 1 sees [1, 3]; rows 2 and 3 see two 3.0s
-    assert tied[:, 0].tolist() == [False, False, True, True]
+    assert tied.tolist() == [2]
 
 
 @pytest.mark.parametrize("batch, n_q, n_rows, n_el, width", [
@@ -194,7 +219,7 @@ def test_delta_error_equals_an_fp64_computation():
     c64 = (do.double() * o_lp.double()).sum(-1) - (do.double() * o64).sum(-1)
     elems, tq = probe.sample_rows(g, B, N, 40)
     b, t = probe.flat(elems, tq)
-    o32, _, _, _ = probe.recompute(q, k, v, elems, tq, causal=True, scale=scale, eps=1e-3)
+    o32, _, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=scale, eps=1e-3)
     c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     want = _rows(c64.unsqueeze(-1), b, t)[..., 0]
     assert c.dtype == torch.float64
@@ -226,7 +251,7 @@ def test_sketch_is_the_projected_wq_gradient_error():
     want = torch.einsum("dk,hdc,cl->hlk", om_a, dW, om_x)  # (Ω_aᵀ ΔW_h Ω_x)ᵀ
     elems, tq = probe.sample_rows(g, B, N, B * N)  # every row
     b, t = probe.flat(elems, tq)
-    o32, pk, _, _ = probe.recompute(q, k, v, elems, tq, causal=True, scale=alpha, eps=1e-3)
+    o32, pk, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=alpha, eps=1e-3)
     c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     z = X[b, t].double() @ om_x
     y = pk.double() @ om_a
@@ -295,7 +320,7 @@ def test_recompute_applies_the_sliding_window(causal, window):
     # every window >= 4; 3 and 9 tie in rows whose window holds both (not window 4)
     elems, tq = probe.sample_rows(g, B, Nq, B * Nq)
     b, t = probe.flat(elems, tq)
-    o32, pk, tied, row_max = probe.recompute(q, k, v, elems, tq, causal=causal, scale=0.25,
+    o32, pk, tied, row_max = _recompute(q, k, v, elems, tq, causal=causal, scale=0.25,
                                              eps=1e-3, sliding_window=window)
     s = (q.double() @ k.double().transpose(-1, -2)) * 0.25
     i, j = torch.arange(Nq)[:, None], torch.arange(Nk)[None, :]
@@ -305,14 +330,11 @@ def test_recompute_applies_the_sliding_window(causal, window):
     p = torch.softmax(s, -1).masked_fill(empty, 0.0)
     assert torch.allclose(o32.double(), _rows(p @ v.double(), b, t), atol=1e-5)
     assert torch.allclose(pk.double(), _rows(p @ k.double(), b, t), atol=1e-5)
-    assert torch.equal(torch.isneginf(row_max), _rows(empty[..., 0], b, t))
-    fin = torch.isfinite(row_max)
-    assert torch.allclose(row_max[fin].double(),
-                          _rows(s.amax(-1, keepdim=True), b, t)[..., 0][fin], atol=1e-5)
-    want_tied = ((s >= s.amax(-1, keepdim=True) - 1e-3).sum(-1) >= 2) & ~empty[..., 0]
-    assert torch.equal(tied, _rows(want_tied, b, t))
+    want_tied, want_max = _every_row(s)
+    assert torch.allclose(row_max.double(), want_max, atol=1e-5)
+    assert torch.equal(tied, want_tied)
     if window == 4:
-        assert empty.any() and want_tied.any()
+        assert empty.any() and want_tied.sum() > 0
 
 
 class _WindowedAttention(_SoftcappedAttention):
@@ -340,9 +362,9 @@ def test_a_watched_windowed_call_is_probed_with_its_window(monkeypatch):
     seen = []
     real = probe.recompute
 
-    def spy(q, k, v, elems, t, **kw):
-        out = real(q, k, v, elems, t, **kw)
-        seen.append((probe.flat(elems, t), out[0]))
+    def spy(q, k, v, rows, **kw):
+        out = real(q, k, v, rows, **kw)
+        seen.append((probe.flat(rows.elems, rows.t), _flat(out[0])))
         return out
 
     monkeypatch.setattr(probe, "recompute", spy)
