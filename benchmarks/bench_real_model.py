@@ -17,11 +17,14 @@ Timing: after one warm-up step, `rounds` × (a block of `block` unwatched steps,
 `fw.watch` with every_n_steps=2 and 1 + `block` steps, the first step after attach left
 out, then watcher.remove()): monitored and unmonitored steps alternate inside each
 watched block, so all three kinds are interleaved and slow drifts of a shared machine
-cancel. Medians per kind. Columns: the unwatched step; the steady monitored step and
-its ratio to the unwatched; the unmonitored ratio; amortised at every_n_steps=10 =
-(monitored + 9 × unmonitored) / (10 × unwatched); per stage, what the monitored step
-adds over the unwatched median: forward (the probe), backward (the hooks), and the
-wall time of watcher.step().
+cancel. Medians per kind. Columns: the unwatched step (median, seconds); the
+unmonitored and the steady monitored step's medians over it; the paired extra: the
+median over adjacent (unmonitored, monitored) steps of one block of their difference,
+the steadiest figure on a shared machine, as a ratio 1 + extra / unwatched; amortised
+at every_n_steps=10 = 1 + extra / (10 × unwatched) (an unmonitored step taken to cost
+an unwatched one: it launches no op more, benchmarks/bench_ops.py); per stage, the
+paired extra of the forward (the probe) and the backward (the hooks), and the median
+wall time of watcher.step() on a monitored step.
 
 glibc's malloc is told to keep freed memory (mallopt: no mmap, no trim; --system-malloc
 leaves it as it is): otherwise each step's large tensors (a [256, 49152] logits, the
@@ -120,13 +123,16 @@ def one_step(model, loss_fn, opt, watcher) -> dict[str, float]:
 
 
 def measure(name: str, sizes, rounds: int, block: int) -> dict:
-    """Per kind ("unwatched", "monitored", "unmonitored"): each stage's median seconds."""
+    """Each stage's median seconds per kind ("unwatched", "monitored", "unmonitored"),
+    and the paired extra: median over adjacent (unmonitored, monitored) steps of one
+    watched block of the monitored step's stage minus the unmonitored one's."""
     torch.manual_seed(0)
     model, loss_fn, tokens = MODELS[name](*sizes, torch.Generator().manual_seed(0))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     one_step(model, loss_fn, opt, None)  # warm-up: allocator, AdamW's state
     runs: dict[str, list] = {"unwatched": [], "monitored": [], "unmonitored": []}
+    pairs = []
     errors = 0
     for _ in range(rounds):
         for _ in range(block):
@@ -136,9 +142,12 @@ def measure(name: str, sizes, rounds: int, block: int) -> dict:
             stages = one_step(model, loss_fn, opt, watcher)
             if i > 0:  # the first step after attach is left out
                 runs["monitored" if i % 2 == 0 else "unmonitored"].append(stages)
+            if i > 0 and i % 2 == 0:
+                pairs.append({st: stages[st] - runs["unmonitored"][-1][st] for st in STAGES})
         errors += watcher.monitor_errors_total
         layers = len(watcher.sites)
         watcher.remove()
+    runs["paired"] = pairs
     med = {kind: {st: statistics.median(r[st] for r in rs) for st in STAGES}
            for kind, rs in runs.items()}
     for kind in med:
@@ -148,15 +157,20 @@ def measure(name: str, sizes, rounds: int, block: int) -> dict:
             "params": sum(p.numel() for p in model.parameters())}
 
 
+HEADER = ("| model | size | B×N | unwatched step | unmonitored / unwatched | monitored / "
+          "unwatched | paired extra | paired ratio | amortised (every 10) | + forward | "
+          "+ backward | step() | n mon/unmon/plain | errors |")
+
+
 def row(name: str, sizes, r: dict) -> str:
     m = r["median"]
     plain, mon, unmon = (m[k]["total"] for k in ("unwatched", "monitored", "unmonitored"))
-    extra = {st: m["monitored"][st] - m["unwatched"][st] for st in ("forward", "backward")}
-    amortised = (mon + 9 * unmon) / (10 * plain)
+    extra = m["paired"]["total"]
     return (f"| {name} | {r['params'] / 1e6:.0f}M, {r['layers']} layers | "
-            f"{sizes[0]}×{sizes[1]} ({r['tokens']} real) | "
-            f"{plain:.3f} | {mon:.3f} | {mon / plain:.2f}× | {unmon / plain:.3f}× | "
-            f"{amortised:.3f} | {extra['forward']:+.3f} | {extra['backward']:+.3f} | "
+            f"{sizes[0]}×{sizes[1]} ({r['tokens']} real) | {plain:.3f} | "
+            f"{unmon / plain:.3f}× | {mon / plain:.3f}× | {extra:+.3f} | "
+            f"{1 + extra / plain:.3f}× | {1 + extra / (10 * plain):.4f} | "
+            f"{m['paired']['forward']:+.3f} | {m['paired']['backward']:+.3f} | "
             f"{m['monitored']['step']:.3f} | {r['n']['monitored']}/{r['n']['unmonitored']}/"
             f"{r['n']['unwatched']} | {r['errors']} |")
 
@@ -183,10 +197,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), BF16 autocast on CPU, "
           f"AdamW; flashwatch at {commit}; {args.rounds} rounds × block {args.block}; {malloc}; "
           f"medians, seconds; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-    print("| model | size | B×N | unwatched step | monitored step | monitored / unwatched "
-          "| unmonitored / unwatched | amortised (every 10) | + forward | + backward | "
-          "step() | n mon/unmon/plain | errors |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(HEADER)
+    print("|---" * HEADER.count(" | ") + "|---|")
     for name in args.models:
         sizes = args.minilm_batch if name == "minilm" else args.lm_batch
         print(row(name, sizes, measure(name, sizes, args.rounds, args.block)), flush=True)
