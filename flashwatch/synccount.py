@@ -1,4 +1,5 @@
-"""Count the host synchronisations a piece of torch code would make on CUDA, on the CPU.
+"""Count the host synchronisations and device ops a piece of torch code would make on CUDA,
+on the CPU.
 
 A test hook (tests/test_synccount.py, benchmarks/bench_syncs.py): a GPU user pays for a
 monitor in stalls of the host, and a CPU-only machine shows none of them. SyncCounter
@@ -8,6 +9,7 @@ replays the CUDA placement on the CPU: it marks which tensors would live on the 
     with SyncCounter(device=[model, optimizer, x, y]) as sc:
         train_step(); watcher.step()
     print(sc.total, sc.counts); print(sc.table())
+    print(sc.device_ops, sc.ops.most_common(10))  # would-be kernel launches
 
 Placement model. Every tensor's storage is "device" or "host"; untracked storages are
 host (what `torch.zeros(3)` makes on a CUDA machine too).
@@ -51,6 +53,24 @@ Ops mixing a device tensor with a host tensor of ≥ 1 dim outside the index ops
 listed in `mismatches` (CUDA raises), not counted. Not seen: torch.cuda.synchronize(),
 CUDA events, syncs inside custom kernels, the allocator's own (cudaMalloc on a miss).
 Eager only (not under torch.compile).
+
+Device ops (`device_ops`, per op name in `ops`; benchmarks/bench_ops.py): what a GPU pays
+per op before any arithmetic (a launch, ≈ 5–10 µs of host dispatch each). One count per
+aten op dispatched with a device tensor among its outputs (in-place ops: their
+destination), keyed by the op's name ("aten.mm"), except the ops that launch nothing:
+  - views and metadata: ops whose schema returns an alias of an input (`is_view`: view,
+    reshape when it is a view, transpose, permute, t, expand, slice, select, as_strided,
+    narrow, diagonal, unsqueeze, squeeze, detach, alias, split, chunk, unbind, ...), ops
+    tagged inplace_view (unsqueeze_, as_strided_, resize_, set_, ...) and _unsafe_view;
+  - allocation only: empty, empty_like, empty_strided, new_empty, new_empty_strided;
+  - outside aten: c10d collectives and flashwatch's torch.library ops (their CPU
+    stand-ins' inner ops are not seen: the dispatch mode is off inside an op).
+A copy to the device counts once ("Tensor.to", "torch.tensor", or aten copy_/_to_copy);
+a copy to the host counts none here (it is a d2h sync above). Ops that return no
+tensor (.item(), equal, sym sizes) count none. A composite op counts as the aten ops it
+decomposes into on the CPU, which for a few ops differs from CUDA (and torch's
+optimizers take their per-tensor loop on the CPU, their foreach kernels on CUDA): compare
+counts of the same code, e.g. a watched step minus an unwatched one.
 """
 
 from __future__ import annotations
@@ -82,6 +102,9 @@ _BY_OP = {  # aten overload packet name -> kind, for a device input
 }
 _INDEX = ("index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_")
 _D2H_METHODS = ("cpu", "numpy", "tolist", "__array__")
+# Ops that return a device tensor but launch nothing (views are found by their schema)
+_NO_LAUNCH = ("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty",
+              "new_empty_strided", "lift_fresh")
 _FACTORIES = ("tensor", "as_tensor", "asarray")
 
 
@@ -89,6 +112,12 @@ def _is_device(dev) -> bool:
     if isinstance(dev, str):
         dev = torch.device(dev)
     return isinstance(dev, torch.device) and dev == DEVICE
+
+
+def _no_launch(func, name: str) -> bool:
+    """A view, a metadata change or an allocation: no kernel on CUDA."""
+    return (func.is_view or name in _NO_LAUNCH
+            or torch.Tag.inplace_view in func.tags)
 
 
 def _tensors(tree) -> list:
@@ -112,6 +141,7 @@ class SyncCounter:
             where = (_FLASHWATCH, os.path.dirname(os.path.abspath(kernels.__file__)))
         self.where = tuple(os.path.abspath(p) for p in where)
         self.counts: Counter = Counter()
+        self.ops: Counter = Counter()  # device op name -> launches (module docstring)
         self.events: list = []  # (kind, op, "file:line in function")
         self.mismatches: list = []  # (op, frame): device and host inputs together
         # storage -> True (device) / False (host); weak keys: a freed storage's address
@@ -156,11 +186,18 @@ class SyncCounter:
     # -- results --------------------------------------------------------------------
     @property
     def total(self) -> int:
+        """Host syncs counted."""
         return sum(self.counts.values())
 
+    @property
+    def device_ops(self) -> int:
+        """Device ops (would-be kernel launches and copies to the device) counted."""
+        return sum(self.ops.values())
+
     def reset(self) -> None:
-        """Forget the counts and events (placement is kept)."""
+        """Forget the counts, device ops and events (placement is kept)."""
         self.counts.clear()
+        self.ops.clear()
         self.events.clear()
         self.mismatches.clear()
 
@@ -174,6 +211,10 @@ class SyncCounter:
             return
         self.counts[kind] += 1
         self.events.append((kind, op, self._frame()))
+
+    def _launch(self, op: str) -> None:
+        if not self._quiet:
+            self.ops[op] += 1
 
     def _frame(self) -> str:
         stack = traceback.extract_stack()
@@ -221,11 +262,16 @@ class SyncCounter:
         elif name == "copy_":
             nb = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
             self._copy(name, self.on_device(args[1]), self.on_device(args[0]), nb)
+            if self.on_device(args[0]):
+                self._launch(str(func.overloadpacket))
             return  # copy_ returns its destination, placed already
         else:
             placed = self._rules(func, name, args, kwargs, ins, dev_in)
-        for t in _tensors(out):
+        outs = _tensors(out)
+        for t in outs:
             self._set(t, placed)
+        if placed and outs and func.namespace == "aten" and not _no_launch(func, name):
+            self._launch(str(func.overloadpacket))
 
     def _copy(self, op, src_dev: bool, dst_dev: bool | None, non_blocking) -> bool:
         dst_dev = src_dev if dst_dev is None else dst_dev
@@ -329,8 +375,10 @@ class _Patches:
                 return orig(src, *args, **kwargs)
             if src_dev:
                 c._count("d2h", f"Tensor.{name}")
-            elif not non_blocking:
-                c._count("h2d", f"Tensor.{name}")
+            else:
+                c._launch(f"Tensor.{name}")  # the copy is a stream op, blocking or not
+                if not non_blocking:
+                    c._count("h2d", f"Tensor.{name}")
             c._quiet += 1
             try:
                 out = orig(src, *args, **kwargs)
@@ -370,6 +418,7 @@ class _Patches:
             dst_dev = src_dev if dev is None else _is_device(dev)
             if dst_dev and not src_dev:
                 c._count("h2d", f"torch.{name}")
+                c._launch(f"torch.{name}")
             elif src_dev and not dst_dev:
                 c._count("d2h", f"torch.{name}")
             c._set(out, dst_dev)

@@ -1,5 +1,6 @@
 """flashwatch/synccount.py: each rule counts exactly one sync on a minimal snippet, host
-tensors and on-device arithmetic count none, and events name the line they came from."""
+tensors and on-device arithmetic count none, and events name the line they came from;
+device ops (would-be kernel launches) counted by hand on small snippets."""
 
 import numpy as np
 import pytest
@@ -220,3 +221,116 @@ def test_plain_gpt_training_counts_none():
     assert all(sc.on_device(p) and sc.on_device(opt.state[p]["exp_avg"])
                for p in model.parameters())
     assert not sc.on_device(next(iter(opt.state.values()))["step"])
+
+
+# ------------------------------------------------------------------ device ops
+
+
+def _ops(fn, *device):
+    sc = _count(fn, *device)
+    return dict(sc.ops), sc
+
+
+DEVICE_OPS = {  # name: (snippet over (x, w, h), expected ops counted by hand, from CUDA)
+    "matmul": (lambda x, w, h: x @ w, {"aten.mm": 1}),
+    "arithmetic": (lambda x, w, h: (x * 2 + 1).exp().sum(),
+                   {"aten.mul": 1, "aten.add": 1, "aten.exp": 1, "aten.sum": 1}),
+    "in_place": (lambda x, w, h: x.clone().add_(1).mul_(2),
+                 {"aten.clone": 1, "aten.add_": 1, "aten.mul_": 1}),
+    "softmax": (lambda x, w, h: x.softmax(-1), {"aten._softmax": 1}),
+    "contiguous_copy": (lambda x, w, h: x.t().contiguous(), {"aten.clone": 1}),
+    "reshape_copies": (lambda x, w, h: x.t().reshape(-1), {"aten.clone": 1}),
+    "reshape_views": (lambda x, w, h: x.reshape(-1), {}),
+    "views": (lambda x, w, h: (x.view(12), x[1:], x[0], x[:, 1], x.unsqueeze(0).squeeze(0),
+                               x.expand(2, 4, 3), x.permute(1, 0), x.t(), x.T, x.detach(),
+                               x.split(2), x.chunk(2), x.unbind(0), x.narrow(0, 1, 2),
+                               x.as_strided((2, 2), (1, 1)), x.diagonal(), x.view_as(x),
+                               x.flatten(), x.unflatten(1, (3, 1)), x.movedim(0, 1)), {}),
+    "in_place_views": (lambda x, w, h: x.clone().unsqueeze_(0).squeeze_(0).t_(),
+                       {"aten.clone": 1}),
+    "allocation": (lambda x, w, h: (torch.empty(3, device=x.device), torch.empty_like(x),
+                                    x.new_empty(2)), {}),
+    "factories_fill": (lambda x, w, h: (torch.zeros(3, device=x.device),
+                                        torch.full((2,), 1.0, device=x.device)),
+                       {"aten.zeros": 1, "aten.full": 1}),
+    "host_copy_in": (lambda x, w, h: (h.to(x.device), torch.tensor([1.0], device=x.device)),
+                     {"Tensor.to": 1, "torch.tensor": 1}),
+    "copy_into_device": (lambda x, w, h: x[:, 0].copy_(h), {"aten.copy_": 1}),
+    "host_reads": (lambda x, w, h: (x.cpu(), x.sum().item(), x.tolist()), {"aten.sum": 1}),
+    "host_only": (lambda x, w, h: (h * 2).float().softmax(0).sum(), {}),
+    "autocast": (lambda x, w, h: _autocast_mm(x, w), {"aten._to_copy": 2, "aten.mm": 1}),
+}
+
+
+def _autocast_mm(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return x @ w  # two casts to BF16, then the matmul
+
+
+@pytest.mark.parametrize("name", sorted(DEVICE_OPS))
+def test_device_ops_counted_by_hand(name):
+    fn, want = DEVICE_OPS[name]
+    x, w, h = torch.randn(4, 3), torch.randn(3, 5), torch.arange(4.0)
+    ops, sc = _ops(lambda: fn(x, w, h), x, w)
+    assert ops == want
+    assert sc.device_ops == sum(want.values())
+
+
+def test_device_ops_need_a_device_tensor():
+    """The same arithmetic on host tensors (nothing marked) launches nothing."""
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    ops, sc = _ops(lambda: ((x @ w).softmax(-1) * 2).sum())
+    assert ops == {} and sc.device_ops == 0
+
+
+def test_device_ops_in_backward_and_hooks():
+    """Forward y = x @ W^T (no bias: mm, not addmm), loss = y.sum(); backward: the seed
+    (ones_like, a fill), sum's grad is an expand of it (a view), mm for W's grad (x
+    needs none; the first grad is stolen, not copied). The hook adds square (pow once
+    decomposed, as on CUDA) and sum."""
+    lin = torch.nn.Linear(3, 4, bias=False)
+    x = torch.randn(2, 3)
+
+    def hook(p):
+        p.grad.square().sum()
+
+    lin.weight.register_post_accumulate_grad_hook(hook)
+    ops, sc = _ops(lambda: lin(x).sum().backward(), lin, x)
+    assert ops == {"aten.mm": 2, "aten.sum": 2, "aten.ones_like": 1, "aten.pow": 1}, ops
+
+
+def test_opaque_ops_are_not_counted():
+    """A torch.library op counts none, nor do the aten ops inside its CPU stand-in."""
+
+    @torch.library.custom_op("synccount_test::twice_plus_one", mutates_args=())
+    def twice_plus_one(t: torch.Tensor) -> torch.Tensor:
+        return t * 2 + 1
+
+    x = torch.randn(4)
+    ops, sc = _ops(lambda: twice_plus_one(x).exp(), x)
+    assert ops == {"aten.exp": 1}  # its output is placed on the device: exp counts
+    assert sc.on_device(twice_plus_one(x)) is False  # outside the counter: untracked
+
+
+def test_collectives_are_not_counted(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        x = torch.randn(4)
+        ops, sc = _ops(lambda: (dist.all_reduce(x), x.mul_(2)), x)
+    finally:
+        dist.destroy_process_group()
+    assert ops == {"aten.mul_": 1}
+
+
+def test_device_ops_reset_with_the_counts():
+    x = torch.randn(3)
+    with SyncCounter(device=[x]) as sc:
+        x.exp()
+        assert sc.device_ops == 1
+        sc.reset()
+        assert sc.device_ops == 0 and sc.ops == {}
+        x.exp()
+    assert sc.ops == {"aten.exp": 1}
