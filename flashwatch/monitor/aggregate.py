@@ -16,6 +16,7 @@ what a rank measured, so every rank reduces the same shapes whatever failed.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
     none = [torch.zeros(0, dtype=torch.float64)]  # a rank that holds no layer
 
     def per_layer(name):
-        return [getattr(b, name).double() for b in layers] or none
+        return _runs([getattr(b, name) for b in layers]) or none
 
     def per_head(f):  # a host count per layer, repeated over its heads
         return [torch.tensor([float(f(b)) for b in layers for _ in range(b.num_heads)],
@@ -84,7 +85,7 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
     raw = {f"probe_{k}": [v] for k, v in totals.items()}
     raw.update(kernel_tied=per_layer("tied_rows"), kernel_rows=per_layer("rows"),
                kernel_max=per_layer("max_logit"), guarded=per_layer("guarded_rows"),
-               wq_grad_sq=per_layer("wq_grad_sq"), sigma=[s.double() for s in sigma] or none,
+               wq_grad_sq=per_layer("wq_grad_sq"), sigma=_runs(sigma) or none,
                grad_rows=per_head(lambda b: b.grad_rows),
                delta_rows=per_head(lambda b: b.delta_rows),
                delta_missed=per_head(lambda b: b.delta_missed),
@@ -92,6 +93,13 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
                sampled=per_head(lambda b: b.sampled), averaged=per_head(lambda b: b.averaged),
                refused=per_head(lambda b: b.refused))
     return raw
+
+
+def _runs(pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer pieces joined, one cat per run of layers on one device (in order): an
+    op per quantity, not per layer."""
+    return [torch.cat(list(ts)).double()
+            for _, ts in itertools.groupby(pieces, key=lambda t: t.device)]
 
 
 _HOST = torch.device("cpu")
