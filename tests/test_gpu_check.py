@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ("N48_D16_causal", "N40_D16_full")
 CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs", "masked"),
-          "c": ("eager", "compiled", "reduce_overhead"),
+          "c": ("eager", "compiled", "reduce_overhead", "real_model_gpt2", "real_model_smollm"),
           "t": tuple(p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_triton_*.py"))
                      if p.name != "test_triton_tuning.py")}
 
@@ -71,6 +71,8 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
         assert phases["not_watched"]["syncs"] == {"unmon": 0}
         assert phases["watched_routed"]["syncs"]["mon"] is not None
         assert got["compiled"]["result"]["phases"]["not_watched"]["syncs"] == {"unmon": None}
+        real = got["real_model_gpt2"]["result"]  # --dry-run: MiniLM on the CPU
+        assert real["model"] == "minilm" and real["errors"] == 0 and real["monitored_ratio"] > 0
 
 
 def test_compile_estimate_in_meta(tmp_path):
