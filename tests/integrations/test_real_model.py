@@ -41,6 +41,7 @@ from transformers import (
 import flashwatch as fw
 from flashwatch.integrations.transformers import FlashWatchTrainerCallback
 from flashwatch.nanogpt import GPT, GPTConfig
+from oracle import assert_within_rule
 
 EPS = fw.WatchConfig().eps
 U32 = 2.0 ** -24  # FP32 unit roundoff
@@ -329,3 +330,43 @@ def test_plain_pytorch_set_valid_tokens(one_thread):
                                  scale, causal=True, rows=torch.ones_like(valid))
                 assert (all_rows["ties"] >= t["ties"] + 20).all()
             check_report(report, layer, t, sigma[layer])
+
+
+def test_minilm_head_modes_stay_within_the_2x_rule(minilm, one_thread):
+    """Head modes set on a real model's layer (BETA and FP32_O, dropout off so the layer
+    is routed to flashwatch's kernel with the model's padding mask): the layer's output
+    stays within 2× the error of PyTorch's own BF16 attention against FP64 (tests/oracle.py
+    §8 rule), on a padded batch."""
+    path, tok = minilm
+    model = AutoModel.from_pretrained(path, local_files_only=True).eval()
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    layer = model.encoder.layer[2].attention.self
+    seen = {}
+    hooks = [getattr(layer, p).register_forward_hook(
+        lambda m, a, out, p=p: seen.__setitem__(p, out.detach()))
+        for p in ("query", "key", "value")]
+    hooks.append(layer.register_forward_hook(
+        lambda m, a, out: seen.__setitem__("out", out[0].detach())))
+    watcher = fw.watch(model)
+    modes = [fw.Mode.BETA, fw.Mode.FP32_O, fw.Mode.STANDARD] * 4
+    watcher.set_head_modes("encoder.layer.2.attention.self", modes)
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**batch)
+        report = watcher.step()
+    finally:
+        watcher.remove()
+        for h in hooks:
+            h.remove()
+    assert report.monitor_errors_total == 0 and not report.unmitigable
+    B, N, C = seen["query"].shape
+    q, k, v = (seen[p].view(B, N, 12, -1).transpose(1, 2) for p in ("query", "key", "value"))
+    hide = ~batch["attention_mask"].bool()[:, None, None, :]  # padded keys, as the model
+    bias = torch.zeros(B, 1, 1, N).masked_fill(hide, -math.inf)
+    truth = torch.softmax((q.double() @ k.double().transpose(-1, -2)) * layer.scaling
+                          + bias.double(), -1) @ v.double()
+    pt = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias.bfloat16(),
+                                                          scale=layer.scaling)
+    got = seen["out"].view(B, N, 12, -1).transpose(1, 2)
+    assert_within_rule("MiniLM layer 2 with head modes", got, pt, truth, torch.bfloat16)
+    assert watcher.head_modes()["encoder.layer.2.attention.self"] == modes
