@@ -18,13 +18,14 @@ Timing: after one warm-up step, `rounds` × (a block of `block` unwatched steps,
 out, then watcher.remove()): monitored and unmonitored steps alternate inside each
 watched block, so all three kinds are interleaved and slow drifts of a shared machine
 cancel. Medians per kind. Columns: the unwatched step (median, seconds); the
-unmonitored and the steady monitored step's medians over it; the paired extra: the
-median over adjacent (unmonitored, monitored) steps of one block of their difference,
-the steadiest figure on a shared machine, as a ratio 1 + extra / unwatched; amortised
-at every_n_steps=10 = 1 + extra / (10 × unwatched) (an unmonitored step taken to cost
-an unwatched one: it launches no op more, benchmarks/bench_ops.py); per stage, the
-paired extra of the forward (the probe) and the backward (the hooks), and the median
-wall time of watcher.step() on a monitored step.
+unmonitored and the steady monitored step's medians over it (whole steps: the AdamW
+stage's noise is in them); per stage, the paired extra of the forward (the probe) and
+of the backward (the hooks): the median over adjacent (unmonitored, monitored) steps of
+one block of their difference, and the median wall time of watcher.step() on a
+monitored step; "extra" = their sum (the optimizer stage runs the same ops watched or
+not, benchmarks/bench_ops.py, and is left out as noise), as a ratio 1 + extra /
+unwatched, and amortised at every_n_steps=10 = 1 + extra / (10 × unwatched) (an
+unmonitored step launches no op more than an unwatched one).
 
 glibc's malloc is told to keep freed memory (mallopt: no mmap, no trim; --system-malloc
 leaves it as it is): otherwise each step's large tensors (a [256, 49152] logits, the
@@ -168,20 +169,20 @@ def measure(name: str, sizes, rounds: int, block: int, device="cpu") -> dict:
 
 
 HEADER = ("| model | size | B×N | unwatched step | unmonitored / unwatched | monitored / "
-          "unwatched | paired extra | paired ratio | amortised (every 10) | + forward | "
-          "+ backward | step() | n mon/unmon/plain | errors |")
+          "unwatched | + forward | + backward | step() | extra | 1 + extra / unwatched | "
+          "amortised (every 10) | n mon/unmon/plain | errors |")
 
 
 def row(name: str, sizes, r: dict) -> str:
     m = r["median"]
     plain, mon, unmon = (m[k]["total"] for k in ("unwatched", "monitored", "unmonitored"))
-    extra = m["paired"]["total"]
+    fwd, bwd, stp = m["paired"]["forward"], m["paired"]["backward"], m["monitored"]["step"]
+    extra = fwd + bwd + stp
     return (f"| {name} | {r['params'] / 1e6:.0f}M, {r['layers']} layers | "
             f"{sizes[0]}×{sizes[1]} ({r['tokens']} real) | {plain:.3f} | "
-            f"{unmon / plain:.3f}× | {mon / plain:.3f}× | {extra:+.3f} | "
-            f"{1 + extra / plain:.3f}× | {1 + extra / (10 * plain):.4f} | "
-            f"{m['paired']['forward']:+.3f} | {m['paired']['backward']:+.3f} | "
-            f"{m['monitored']['step']:.3f} | {r['n']['monitored']}/{r['n']['unmonitored']}/"
+            f"{unmon / plain:.3f}× | {mon / plain:.3f}× | {fwd:+.3f} | {bwd:+.3f} | "
+            f"{stp:.3f} | {extra:+.3f} | {1 + extra / plain:.3f}× | "
+            f"{1 + extra / (10 * plain):.4f} | {r['n']['monitored']}/{r['n']['unmonitored']}/"
             f"{r['n']['unwatched']} | {r['errors']} |")
 
 
