@@ -77,19 +77,9 @@ def _model(kind: str, mesh):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if kind == "tp":  # heads split over the 2 ranks (torchtitan's plan), no QK-clip
-        from scaled_heads import N_LAYERS, Stage, full_model
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from scaled_heads import tp_model
 
-        model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
-        for blk in model.layers.values():
-            parallelize_module(blk.attention, mesh, {
-                "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-        return model
+        return tp_model(mesh)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))
     if kind == "fsdp2":

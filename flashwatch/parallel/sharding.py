@@ -289,7 +289,8 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     gradient (averaged=False). A DTensor is FSDP2's shard of the gradient averaged over
     ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums its own rows,
     so that the cross-rank SUM of the watcher's reduction gives the averaged gradient's
-    norm without a gather; any other layout is gathered and counted on rank 0 only."""
+    norm without a gather; any other layout is gathered and counted once, on the first
+    rank of the weight's mesh (`first_rank`: under DP × PP, the stage's own)."""
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
@@ -305,11 +306,17 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)
         out.index_add_(0, head, rows.double().square().sum(-1))
         return out, True
-    full = grad.full_tensor().detach()  # every rank holds it: count it once
+    full = grad.full_tensor().detach()  # every rank of its mesh holds it: count it once
     out = torch.zeros(H, dtype=torch.float64, device=full.device)
-    if torch.distributed.get_rank() == 0:
+    if torch.distributed.get_rank() == first_rank(grad.device_mesh):
         out = q_rows(site, full).double().reshape(H, D, -1).square().sum((1, 2))
     return out, True
+
+
+def first_rank(mesh) -> int:
+    """The lowest global rank of a DeviceMesh: the one rank of the weight's holders that
+    counts a gathered gradient (global rank 0 may hold another pipeline stage)."""
+    return int(mesh.mesh.min())
 
 
 def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,

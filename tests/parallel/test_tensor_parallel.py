@@ -122,14 +122,13 @@ def test_a_mode_set_on_a_local_head_runs_on_its_global_head(results, style):
 def test_qk_clip_scales_each_heads_rows_on_the_rank_that_holds_them(results, style):
     """τ = 1.5: the heads above it (by the FP64 truth at this step's weights) get their
     q and k rows scaled by (τ/m)^0.5 on their own rank, every other row stays as it was;
-    each rank reports the clips of its own heads."""
+    every rank reports every clip of the job, once."""
     truth = results[0][style]["truth"]
     above = {k for k, t in truth.items() if t["max_logit"] > TAU}
     assert 0 < len(above) < len(truth)
     for rank in (0, 1):
         r = results[rank][style]
-        mine = {(layer, h) for layer, h in above if 2 * rank <= h < 2 * rank + 2}
-        assert set(r["clips"]) == mine
+        assert sorted(r["clips"]) == sorted(above)  # every clip of the job, once
         for name, ratio in r["ratios"].items():
             layer = name.split(".attention.")[0] + ".attention"
             for local in range(2):
