@@ -80,6 +80,7 @@ def truth(full: nn.ModuleDict, tokens) -> dict:
     """Per (layer, head), in FP64 over every row: max logit, tied rows / rows, W^Q σ."""
     m = {k: v for k, v in full.items()}
     x = m["embed"].weight.double()[tokens[:, :-1]]
+    B = tokens.shape[0]  # noqa: N806 (any number of sequences: DP ranks' batches together)
     out = {}
     for i in range(N_LAYERS):
         blk = m["layers"][str(i)]

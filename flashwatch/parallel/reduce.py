@@ -75,6 +75,7 @@ class MonitorGroup:
         self.world = dist.get_world_size() if dist else 1
         self.rank = dist.get_rank() if dist else 0
         self.group = None
+        self._subgroups: dict = {}  # ranks -> a gloo group of ours (`subgroup`)
         if self.world > 1:
             self.group = dist.new_group(backend="gloo",
                                         timeout=timedelta(seconds=self.timeout_s))
@@ -101,6 +102,23 @@ class MonitorGroup:
     @property
     def distributed(self) -> bool:
         return self.group is not None
+
+    def subgroup(self, group):
+        """A gloo group of the monitor's own over the ranks of `group` (e.g. the dp group
+        a tensor-parallel rank's rows are sharded over, or a pipeline stage's FSDP2
+        mesh): made once, on first use, by those ranks only (use_local_synchronization),
+        so the host power iteration can run there without touching the training's own
+        group. The monitor's group itself where `group` spans every rank."""
+        if self.covers(group):
+            return self.group
+        dist = _dist()
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        got = self._subgroups.get(ranks)
+        if got is None:
+            got = self._subgroups[ranks] = dist.new_group(
+                list(ranks), backend="gloo", timeout=timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True)
+        return got
 
     def covers(self, group) -> bool:
         """Whether `group` (e.g. an FSDP2 mesh's) spans the same ranks as ours, so a
