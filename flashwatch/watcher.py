@@ -29,7 +29,8 @@ from torch import nn
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
-from flashwatch.monitor import tokens, traced
+from flashwatch.mitigation import qkclip
+from flashwatch.monitor import saved_state, tokens, traced
 from flashwatch.monitor.attach import Attachment
 from flashwatch.monitor.capture import Cadence, Recorder
 from flashwatch.monitor.layer_state import LayerState
@@ -44,7 +45,7 @@ from flashwatch.sites.layouts import QCheck
 
 log = logging.getLogger("flashwatch")
 
-STATE_VERSION = 1
+STATE_VERSION = saved_state.VERSION  # 2: global heads; 1 (each rank's own) still loads
 
 
 def _layer_states(sites, sketch_dim: int, seed: int, table: HeadTable) -> list[LayerState]:
@@ -67,6 +68,13 @@ def _layer_states(sites, sketch_dim: int, seed: int, table: HeadTable) -> list[L
         st.reset()
         out.append(st)
     return out
+
+
+def _facts(site) -> dict:
+    """What every rank's QK-clip books need of a layer held elsewhere: its global K head
+    count and its QK-norm (flashwatch/mitigation/qkclip.py)."""
+    return {"kv_heads": site.num_kv_heads * site.layer_heads // site.num_heads,
+            "qk_norm": qkclip.qk_norm(site)}
 
 
 def _local_sites(model: nn.Module, sites) -> list:
@@ -105,7 +113,7 @@ class Watcher:
         monitor.check_same(sketch_dim=cfg.sketch_dim, every_n_steps=cfg.every_n_steps)
         # Every rank's layers by name: one table of global heads (flashwatch/parallel/layout.py)
         self.head_table = layout.gather(monitor, [(s.name, s.layer_heads, s.head_offset,
-                                                   s.num_heads) for s in self.sites])
+                                                   s.num_heads, _facts(s)) for s in self.sites])
         if not self.head_table.layers:
             raise NoAttentionLayers("flashwatch.watch: no rank of the job holds an attention "
                                     "layer flashwatch recognises; pass sites=... (see "
@@ -244,16 +252,20 @@ class Watcher:
         return report
 
     def state_dict(self) -> dict:
+        """The watcher's state over the job's global head table (flashwatch/monitor/
+        saved_state.py): any rank's loads on every rank of the job, and into a job of
+        the same model in another parallel layout. Hand-set modes of another rank reach
+        this rank's state at the monitored step after they were set."""
         pipe = self._pipeline
         return {
             "version": STATE_VERSION,
             "config": self.config.to_dict(),
             "step": self._step,
             "monitoring": self._cadence.monitoring,
-            "sites": [(st.site.name, st.site.num_heads) for st in self._states],
-            "modes": [st.modes.clone() for st in self._states],
-            "power_v": [None if st.power_v is None else st.power_v.clone()
-                        for st in self._states],
+            "heads": list(pipe.heads),
+            "modes": pipe.global_modes().to(torch.int32),
+            "user_set": pipe.book.user_set.clone(),
+            "power_v": saved_state.warm_starts(self._states),
             "rng": self._recorder.gen.get_state(),
             "signals": pipe.signals.state_dict(),
             "policy": pipe.policy.state_dict(),
@@ -264,36 +276,55 @@ class Watcher:
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        """A state of `state_dict` (this rank's or another's, any parallel layout of the
+        same model): each rank takes the heads it holds."""
         from flashwatch.report.records import Event
 
-        if not isinstance(sd, dict) or sd.get("version") != STATE_VERSION:
-            raise ValueError(f"not a flashwatch Watcher state (version "
-                             f"{sd.get('version') if isinstance(sd, dict) else None!r}, "
-                             f"expected {STATE_VERSION})")
-        mine = [(st.site.name, st.site.num_heads) for st in self._states]
-        theirs = [tuple(x) for x in sd["sites"]]
-        if mine != theirs:
-            raise ValueError(f"the saved watcher watched layers {theirs}, this one watches "
-                             f"{mine}; load it into a watcher of the same model")
+        version = sd.get("version") if isinstance(sd, dict) else None
+        if version not in (1, STATE_VERSION):
+            raise ValueError(f"not a flashwatch Watcher state (version {version!r}, "
+                             f"expected {STATE_VERSION} or 1)")
+        pipe = self._pipeline
+        if version == 1:
+            self._check_v1(sd)
+            perm, n_saved = torch.arange(len(pipe.heads)), len(pipe.heads)
+        else:
+            perm, n_saved = saved_state.order(sd["heads"], pipe.heads), len(sd["heads"])
         if sd["config"] != self.config.to_dict():
             log.warning("flashwatch: resuming with a different WatchConfig than the saved "
                         "run's; decisions may differ from the uninterrupted run")
         self._step = int(sd["step"])
         self._cadence.monitoring = bool(sd["monitoring"])
-        for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
-            self._set_modes(st, modes.clone().to(torch.int32))
-            st.power_v = None if v is None else v.clone()
+        if version == 1:
+            for st, modes, v in zip(self._states, sd["modes"], sd["power_v"], strict=True):
+                pipe.book.set_modes(st, modes.clone().to(torch.int32))
+                st.power_v = None if v is None else v.clone()
+        else:
+            pipe.book.set_all(sd["modes"][perm])
+            user_set = sd.get("user_set")
+            if user_set is not None:  # the holder sends them at the next exchange
+                pipe.book.user_set = user_set[perm].bool() & pipe.held
+            for st in self._states:
+                st.power_v = saved_state.warm_start(sd.get("power_v") or {}, st)
         self._arm()
         self._recorder.clear_step()
         self._recorder.gen.set_state(sd["rng"])
-        pipe = self._pipeline
-        pipe.signals.load_state_dict(sd["signals"])
-        pipe.policy.load_state_dict(sd["policy"])
+        pipe.signals.load_state_dict(saved_state.reorder(sd["signals"], perm, n_saved))
+        policy = saved_state.reorder(sd["policy"], perm, n_saved)
+        pipe.policy.load_state_dict({**policy, "heads": list(pipe.heads)}
+                                    if version != 1 else policy)
         pipe.events = [Event.from_dict(e) for e in sd["events"]]
         pipe.unreported = [Event.from_dict(e) for e in sd.get("unreported", [])]
         self._ledger.total = int(sd["errors_total"])
         if "qk_clip" in sd:
-            pipe.qk_clip.load_state_dict(sd["qk_clip"])
+            pipe.qk_clip.load_state_dict(saved_state.reorder(sd["qk_clip"], perm, n_saved))
+
+    def _check_v1(self, sd: dict) -> None:
+        mine = [(st.site.name, st.site.num_heads) for st in self._states]
+        theirs = [tuple(x) for x in sd["sites"]]
+        if mine != theirs:
+            raise ValueError(f"the saved watcher watched layers {theirs}, this one watches "
+                             f"{mine}; load it into a watcher of the same model")
 
     def remove(self) -> None:
         """Detach every hook and close the sinks; the model is left as it was."""

@@ -37,7 +37,8 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 DIST_DIR = os.path.join(TORCH_DIR, "distributed") + os.sep
 MODEL_FILE = os.path.join(FW_DIR, "nanogpt.py")  # the model trained here, not the monitor
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
-KINDS = ("ddp", "fsdp2", "tp")
+KINDS = ("ddp", "fsdp2", "tp")  # 2 processes
+KINDS_4 = ("fsdp2_tp",)  # 4 processes: a (dp 2, tp 2) mesh
 WARMUP = 2  # steps before the sweep: the first monitored step's one-time work is done
 
 
@@ -77,19 +78,16 @@ def _model(kind: str, mesh):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if kind == "tp":  # heads split over the 2 ranks (torchtitan's plan), no QK-clip
-        from scaled_heads import N_LAYERS, Stage, full_model
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from scaled_heads import tp_model
 
-        model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+        return tp_model(mesh)
+    if kind == "fsdp2_tp":  # TP over mesh["tp"], FSDP2 over mesh["dp"], QK-clip on
+        from scaled_heads import tp_model
+
+        model = tp_model(mesh["tp"])
         for blk in model.layers.values():
-            parallelize_module(blk.attention, mesh, {
-                "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-        return model
+            fully_shard(blk, mesh=mesh["dp"])
+        return fully_shard(model, mesh=mesh["dp"])
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SMALL))
     if kind == "fsdp2":
@@ -101,7 +99,7 @@ def _model(kind: str, mesh):
 
 def _train_step(model, opt, w, i: int, rank: int):
     tp = not isinstance(getattr(model, "module", model), GPT)  # TP ranks share a batch
-    g = torch.Generator().manual_seed(100 * i + (0 if tp else rank))
+    g = torch.Generator().manual_seed(100 * i + (rank // 2 if tp else rank))
     idx = torch.randint(0, SMALL["vocab_size"], (4, 17), generator=g)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         if tp:
@@ -122,7 +120,7 @@ def sweep(rank: int, kind: str, mesh, points: str, out_path: str | None = None) 
 
     model = _model(kind, mesh)
     w = fw.watch(model, every_n_steps=1, rows_per_head=8, mitigation="auto",
-                 qk_clip_threshold=None if kind == "tp" else 50.0,
+                 qk_clip_threshold={"tp": None, "fsdp2_tp": 3.0}.get(kind, 50.0),
                  collective_timeout_s=60.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = 0
@@ -143,7 +141,7 @@ def sweep(rank: int, kind: str, mesh, points: str, out_path: str | None = None) 
     else:
         k = int(points.split(":")[1])
         todo = sorted(set(range(0, calls, k)) | {calls - 1})
-    out = dict(calls=calls, points=[], kind=kind)
+    out = dict(calls=calls, points=[], kind=kind, rank=rank)
     t0 = time.perf_counter()
     for n in todo:
         if os.environ.get("FW_SWEEP_TRACE") and rank == 1:
@@ -212,6 +210,37 @@ def _worker(rank, world, init_file, out_dir, kinds=KINDS, points="every:1"):
         (kind, functools.partial(sweep, rank, kind, mesh, points)) for kind in kinds])
 
 
+def _worker_4(rank, world, init_file, out_dir, kinds=KINDS_4, points="every:1"):
+    """A rank of the 4-process kinds, on a (dp 2, tp 2) mesh; rank 1 injects."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for kind in kinds:
+        results[kind] = sweep(rank, kind, mesh, points)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def check_all(results: list[dict], kind: str) -> list[str]:
+    """`check` of rank 1 (which injects) and of every other rank against rank 0."""
+    bad = check(results[0][kind], results[1][kind])
+    for r in results[2:]:
+        bad += check(results[0][kind], r[kind])
+        bad += [f"{kind} call {p['n']}: rank {r[kind].get('rank')} counted {p['errors']} "
+                f"error(s)" for p in r[kind]["points"] if p["errors"]]
+    return bad
+
+
+def worker_4_every(k: int):
+    """The 4-rank worker for tests/parallel/test_faults.py: FSDP2 × TP, every k-th call."""
+    return functools.partial(_worker_4, kinds=KINDS_4, points=f"every:{k}")
+
+
 def worker_every(k: int):
     """The worker for tests/parallel/test_faults.py: DDP, FSDP2 and TP, every k-th call."""
     return functools.partial(_worker, kinds=KINDS, points=f"every:{k}")
@@ -226,17 +255,24 @@ if __name__ == "__main__":
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--points", default="all", help='"all" or "every:K"')
-    p.add_argument("--kinds", default=",".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS + KINDS_4))
     args = p.parse_args()
-    out = Path(tempfile.mkdtemp())
     kinds = tuple(args.kinds.split(","))
-    mp.spawn(_worker, args=(2, str(out / "init"), str(out), kinds, args.points), nprocs=2)
-    r0, r1 = (torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2))
-    for kind in kinds:
-        bad = check(r0[kind], r1[kind])
-        fired = sum(1 for p in r1[kind]["points"] if p["fired"])
-        print(f"{kind}: {r1[kind]['calls']} torch calls from flashwatch in a monitored "
-              f"step; {len(r1[kind]['points'])} injected ({fired} fired) in "
-              f"{r1[kind]['seconds']:.0f} s; {len(bad)} failures")
-        for line in bad[:30]:
-            print("  " + line)
+    for world, group in ((2, [k for k in kinds if k not in KINDS_4]),
+                         (4, [k for k in kinds if k in KINDS_4])):
+        if not group:
+            continue
+        out = Path(tempfile.mkdtemp())
+        mp.spawn(_worker if world == 2 else _worker_4,
+                 args=(world, str(out / "init"), str(out), tuple(group), args.points),
+                 nprocs=world)
+        results = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+        for kind in group:
+            r1 = results[1][kind]
+            bad = check_all(results, kind)
+            fired = sum(1 for p in r1["points"] if p["fired"])
+            print(f"{kind} ({world} ranks): {r1['calls']} torch calls from flashwatch in a "
+                  f"monitored step; {len(r1['points'])} injected ({fired} fired) in "
+                  f"{r1['seconds']:.0f} s; {len(bad)} failures")
+            for line in bad[:30]:
+                print("  " + line)

@@ -80,6 +80,7 @@ def truth(full: nn.ModuleDict, tokens) -> dict:
     """Per (layer, head), in FP64 over every row: max logit, tied rows / rows, W^Q σ."""
     m = {k: v for k, v in full.items()}
     x = m["embed"].weight.double()[tokens[:, :-1]]
+    B = tokens.shape[0]  # noqa: N806 (any number of sequences: DP ranks' batches together)
     out = {}
     for i in range(N_LAYERS):
         blk = m["layers"][str(i)]
@@ -100,3 +101,41 @@ def truth(full: nn.ModuleDict, tokens) -> dict:
         o = torch.softmax(s, -1) @ v
         x = x + o.transpose(1, 2).reshape(B, T, -1) @ att.o_proj.weight.double().T
     return out
+
+
+def pipeline_step(stage, rank, tokens, opt):
+    """Forward stage 0 → 1, backward 1 → 0, by send/recv on the default group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        act = stage(tokens[:, :-1])
+        dist.send(act.detach(), 1)
+        grad = torch.empty_like(act)
+        dist.recv(grad, 1)
+        act.backward(grad)
+    else:
+        act = torch.empty(B, T, D_MODEL)
+        dist.recv(act, 0)
+        act.requires_grad_(True)
+        logits = stage(act)
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        dist.send(act.grad, 0)
+    opt.step()
+    opt.zero_grad()
+
+
+def tp_model(mesh) -> Stage:
+    """The whole model with each layer's heads split over `mesh` (torchtitan's plan:
+    ColwiseParallel q/k/v, RowwiseParallel o), the module's head count left global."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+    for blk in model.layers.values():
+        parallelize_module(blk.attention, mesh, {
+            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+    return model

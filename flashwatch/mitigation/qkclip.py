@@ -76,12 +76,21 @@ STATE = {"clips": torch.int64, "pending": torch.float64, "pending_step": torch.i
 class QKClip:
     """Applies (mitigation "auto") or advises ("advise") QK-clip after a monitored step,
     confirms each applied clip on the next measurement, counts the confirmed clips per
-    head and logs them as Events of kind "qk_clip"."""
+    head and logs them as Events of kind "qk_clip".
+
+    The books (pending clips, confirmed counts, stops) and the events cover every head
+    of the job's table and are kept alike on every rank: their inputs (the reduced max
+    logits, the layers' facts) are the same everywhere, so rank 0 reports every
+    stage's and every tensor-parallel rank's clips, once. Only the scaling is local:
+    each rank scales the heads of the sites it holds."""
 
     def __init__(self, config: WatchConfig, sites: list[AttentionSite],
-                 offsets: list[int] | None = None, n_heads: int | None = None) -> None:
+                 offsets: list[int] | None = None, n_heads: int | None = None,
+                 layers: list[tuple] | None = None) -> None:
         """sites: the layers this rank holds; offsets: each one's head 0 in the per-head
-        arrays of n_heads heads (the job's head table; default: these sites in order)."""
+        arrays of n_heads heads (the job's head table; default: these sites in order);
+        layers: every layer of the table as (name, offset, heads, K heads, QK-norm or
+        None), global heads (default: the sites')."""
         if config.qk_clip_threshold is not None:
             for site in sites:
                 check_site(site)
@@ -89,7 +98,11 @@ class QKClip:
         self.sites = list(sites)
         self.offsets = (list(offsets) if offsets is not None else
                         [sum(s.num_heads for s in self.sites[:i]) for i in range(len(sites))])
-        n = sum(s.num_heads for s in self.sites) if n_heads is None else n_heads
+        self.qk_norm = [qk_norm(s) for s in self.sites]
+        self.layers = (list(layers) if layers is not None else [
+            (s.name, off, s.num_heads, s.num_kv_heads, norm)
+            for s, off, norm in zip(self.sites, self.offsets, self.qk_norm, strict=True)])
+        n = sum(h for _, _, h, _, _ in self.layers) if n_heads is None else n_heads
         self.clips = torch.zeros(n, dtype=torch.int64)  # confirmed clips per head
         self.pending = torch.full((n,), math.nan, dtype=torch.float64)  # m0 of a clip
         self.pending_step = torch.full((n,), -1, dtype=torch.int64)
@@ -97,7 +110,7 @@ class QKClip:
         # unconfirmed streak per head: (max logit where it began, product of factors)
         self.streak = torch.tensor([[math.nan, 1.0]], dtype=torch.float64).repeat(n, 1)
         self.stopped = torch.zeros(n, dtype=torch.bool)  # refused or unconfirmed: no clip
-        self.qk_norm = [qk_norm(s) for s in self.sites]
+        self.scale_errors: list = []  # (site name, exception) of the last apply()
         self._confirmed = False  # confirm() ran since the last apply()
 
     @property
@@ -120,7 +133,7 @@ class QKClip:
             now, m0 = float(m1[i]), float(self.pending[i])
             if math.isnan(now):
                 continue  # not measured this step: still pending
-            site, h = self._where(i)
+            name, h = self._where(i)
             need = max(tau, m0 - CONFIRM_FRACTION * (m0 - tau))
             seen = (f"max logit {_g(m0)} -> {_g(now)} after the clip of step "
                     f"{int(self.pending_step[i])} (τ {_g(tau)}, needed ≤ {_g(need)})")
@@ -131,14 +144,14 @@ class QKClip:
                 reason = f"[qk_clip confirmed] {seen}"
             else:
                 reason = f"[qk_clip not confirmed] {seen}: not counted" + self._judge(
-                    i, site, h, m0, now)
+                    i, name, h, m0, now)
             (confirmed if ok else failed).append(Event(
-                step=step, layer=site.name, head=h, from_mode=Mode.STANDARD,
+                step=step, layer=name, head=h, from_mode=Mode.STANDARD,
                 to_mode=Mode.STANDARD, reason=reason, applied=ok, kind="qk_clip"))
             self.pending[i], self.pending_step[i] = math.nan, -1
         return confirmed, failed
 
-    def _judge(self, i: int, site, h: int, m0: float, now: float) -> str:
+    def _judge(self, i: int, name: str, h: int, m0: float, now: float) -> str:
         """An unconfirmed clip joins the head's streak; the head stops once the streak
         scaled its logits by P ≤ STOP_PRODUCT in all and its max logit kept more than
         sqrt(P) of where the streak began (less than half the intended log-reduction)."""
@@ -151,7 +164,7 @@ class QKClip:
         self.stopped[i] = True
         log.warning("flashwatch: QK-clip of %s head %d has no visible effect: its clips "
                     "scaled the logits by %s in all, yet the max logit went %s -> %s; "
-                    "QK-clip stops clipping this head", site.name, h, _g(product),
+                    "QK-clip stops clipping this head", name, h, _g(product),
                     _g(start), _g(now))
         return (f"; its clips since the max logit was {_g(start)} scaled the logits by "
                 f"{_g(product)} in all without effect: QK-clip stops clipping this head")
@@ -159,38 +172,49 @@ class QKClip:
     def apply(self, step: int, max_logit: torch.Tensor, modes: torch.Tensor) -> list[Event]:
         """max_logit [n]: the step's rank-reduced max logit per head (identical on every
         rank, so is every factor). modes [n]: the heads' modes, for the events. Runs
-        confirm() first if the caller did not (its events lead the returned list)."""
+        confirm() first if the caller did not (its events lead the returned list). The
+        books and events cover every layer; the sites this rank holds are scaled, each
+        one whose scaling raised listed in `scale_errors` (its clip then shows as not
+        confirmed at the next measurement)."""
         events = []
         if not self._confirmed:
             done, failed = self.confirm(max_logit, step)
             events += done + failed
         self._confirmed = False
+        self.scale_errors = []
         cfg = self.config
         tau = cfg.qk_clip_threshold
         if tau is None or cfg.mitigation == "off":
             return events
         eta = torch.where(self.stopped, 1.0, clip_factors(max_logit, tau))
-        for site, off, norm in zip(self.sites, self.offsets, self.qk_norm, strict=True):
-            e = eta[off:off + site.num_heads]
+        for name, off, heads, kv, norm in self.layers:
+            e = eta[off:off + heads]
             if bool((e == 1).all()):
                 continue
             if norm is not None:
-                events += self._refuse(step, site, off, e, modes, norm)
+                events += self._refuse(step, name, off, e, modes, norm)
                 continue
             if cfg.mitigation == "auto":
-                scale_site(site, e, cfg.qk_clip_alpha)
                 over = (e < 1).nonzero().flatten() + off
                 self.pending[over] = max_logit.detach().to("cpu", torch.float64)[over]
                 self.pending_step[over] = step
-                self.pending_factor[over] = logit_factors(e, site.num_kv_heads,
-                                                          cfg.qk_clip_alpha)[over - off]
-            events += self._clip_events(step, site, off, e, max_logit, modes)
+                self.pending_factor[over] = logit_factors(e, kv, cfg.qk_clip_alpha)[
+                    over - off]
+            events += self._clip_events(step, name, off, kv, e, max_logit, modes)
+        if cfg.mitigation == "auto":
+            for site, off, norm in zip(self.sites, self.offsets, self.qk_norm, strict=True):
+                e = eta[off:off + site.num_heads]
+                if norm is None and not bool((e == 1).all()):
+                    try:
+                        scale_site(site, e, cfg.qk_clip_alpha)
+                    except Exception as err:  # the books stay the same on every rank
+                        self.scale_errors.append((site.name, err))
         return events
 
-    def _clip_events(self, step, site, off, e, max_logit, modes) -> list[Event]:
+    def _clip_events(self, step, name, off, kv, e, max_logit, modes) -> list[Event]:
         tau, alpha = self.config.qk_clip_threshold, self.config.qk_clip_alpha
-        eta_k = kv_factors(e, site.num_kv_heads)
-        group = site.num_heads // site.num_kv_heads
+        eta_k = kv_factors(e, kv)
+        group = e.numel() // kv
         events = []
         for h in (e < 1).nonzero().flatten().tolist():
             mode = Mode(int(modes[off + h]))
@@ -199,50 +223,53 @@ class QKClip:
                 k_text += f" (K head {h // group} shared: its group's smallest η " \
                           f"{_g(eta_k[h // group])})"
             events.append(Event(
-                step=step, layer=site.name, head=site.head_offset + h, from_mode=mode,
-                to_mode=mode,
+                step=step, layer=name, head=h, from_mode=mode, to_mode=mode,
                 reason=(f"[qk_clip] max logit {_g(max_logit[off + h])} > τ {_g(tau)}: "
                         f"η = {_g(e[h])}, W^Q × η^{_g(alpha)} = {_g(e[h] ** alpha)}, "
                         f"{k_text}"),
                 applied=self.config.mitigation == "auto", kind="qk_clip"))
         return events
 
-    def _refuse(self, step, site, off, e, modes, norm) -> list[Event]:
+    def _refuse(self, step, name, off, e, modes, norm) -> list[Event]:
         """A QK-norm layer: never scaled; one event applied=False per head, then quiet."""
         heads = (e < 1).nonzero().flatten().tolist()
-        why = (f"[qk_clip] refused: {site.name} normalises q and k after the projection "
+        why = (f"[qk_clip] refused: {name} normalises q and k after the projection "
                f"({norm}), which undoes any scaling of W^Q and W^K; QK-clip cannot bound "
                "this head's logits (the norm's gain does) and leaves the layer alone")
-        if not bool(self.stopped[off:off + site.num_heads].any()):
+        if not bool(self.stopped[off:off + e.numel()].any()):
             log.warning("flashwatch: %s", why)
         events = []
         for h in heads:
             self.stopped[off + h] = True
             mode = Mode(int(modes[off + h]))
-            events.append(Event(step=step, layer=site.name, head=site.head_offset + h,
-                                from_mode=mode, to_mode=mode, reason=why, applied=False,
-                                kind="qk_clip"))
+            events.append(Event(step=step, layer=name, head=h, from_mode=mode, to_mode=mode,
+                                reason=why, applied=False, kind="qk_clip"))
         return events
 
-    def stop_layer(self, step: int, layer: str, reason: str) -> list[Event]:
+    def stop_layer(self, step: int, layer: str, reason: str,
+                   heads: torch.Tensor | None = None) -> list[Event]:
         """Never clip `layer` again (e.g. its W^Q slice failed layouts.QCheck, so its K
-        slice is not to be trusted either): one event applied=False per head."""
-        for site, off in zip(self.sites, self.offsets, strict=True):
-            if site.name == layer and not bool(self.stopped[off:off + site.num_heads].all()):
-                self.stopped[off:off + site.num_heads] = True
-                self.pending[off:off + site.num_heads] = math.nan
-                return [Event(step=step, layer=layer, head=site.head_offset + h,
-                              from_mode=Mode.STANDARD, to_mode=Mode.STANDARD,
-                              reason=f"[qk_clip] stopped: {reason}", applied=False,
-                              kind="qk_clip") for h in range(site.num_heads)]
+        slice is not to be trusted either), or only its `heads` (bool [heads]: those of
+        the tensor-parallel rank whose slice failed): one event applied=False per head
+        newly stopped."""
+        for name, off, count, _, _ in self.layers:
+            if name != layer:
+                continue
+            stop = torch.ones(count, dtype=torch.bool) if heads is None else heads.bool()
+            new = (stop & ~self.stopped[off:off + count]).nonzero().flatten().tolist()
+            for h in new:
+                self.stopped[off + h] = True
+                self.pending[off + h] = math.nan
+            return [Event(step=step, layer=layer, head=h, from_mode=Mode.STANDARD,
+                          to_mode=Mode.STANDARD, reason=f"[qk_clip] stopped: {reason}",
+                          applied=False, kind="qk_clip") for h in new]
         return []
 
-    def _where(self, i: int) -> tuple[AttentionSite, int]:
-        """The site holding table index i and the head's index in its layer (global:
-        under tensor parallelism the site's heads start at head_offset)."""
-        for site, off in zip(self.sites, self.offsets, strict=True):
-            if off <= i < off + site.num_heads:
-                return site, site.head_offset + i - off
+    def _where(self, i: int) -> tuple[str, int]:
+        """The layer holding table index i and the head's (global) index in it."""
+        for name, off, heads, _, _ in self.layers:
+            if off <= i < off + heads:
+                return name, i - off
         raise IndexError(i)
 
     def state_dict(self) -> dict:

@@ -34,9 +34,11 @@ SUM_FIELDS = ("tied", "rows", "delta_sum", "grad_rows", "delta_sq", "delta_rows"
 MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "refused")
 # Also maxed, for the heads a rank holds (-inf elsewhere): the modes it has set and the
 # modes its kernel ran (so every rank knows the modes of heads held elsewhere, e.g. by
-# another pipeline stage), and 1 where the user set a head's mode by hand since the
-# last exchange (every rank restarts that head's signals and policy).
-MODE_FIELDS = ("mode", "ran", "user_set")
+# another pipeline stage), 1 where the user set a head's mode by hand since the last
+# exchange (every rank restarts that head's signals and policy), and what the rank saw
+# of the head's modes (0 nothing, 1 ran, 2 failed: every rank settles the head's
+# pending mode events). flashwatch/monitor/head_modes.py.
+MODE_FIELDS = ("mode", "ran", "user_set", "seen")
 
 
 def shapes(n_heads: int, k: int) -> dict[str, tuple]:
@@ -145,6 +147,15 @@ def place(raw: dict[str, torch.Tensor], positions: torch.Tensor, n: int
         full = torch.full((n, *t.shape[1:]), _FILL.get(k, 0.0), dtype=torch.float64)
         out[k] = full.index_copy_(0, positions, t)
     return out
+
+
+def fills(n_heads: int, k: int) -> dict[str, torch.Tensor]:
+    """The measured part of the exchange of a rank whose measurement failed: nothing to
+    add (0) or to win a max (-inf); its mode fields still go out (head_modes.py)."""
+    return {f.removeprefix("max:"): torch.full(shape, -math.inf if f.startswith("max:")
+                                               else 0.0, dtype=torch.float64)
+            for f, shape in shapes(n_heads, k).items()
+            if f.removeprefix("max:") not in MODE_FIELDS}
 
 
 def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

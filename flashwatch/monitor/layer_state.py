@@ -15,7 +15,7 @@ of tracing watcher code.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -113,11 +113,9 @@ class LayerState:
     module_calls: int = 0
     routed_calls: int = 0
     fallback_calls: int = 0
-    pending: list = field(default_factory=list)  # applied mode events not yet seen run
     wq_hooked: object = None  # the Q weight whose gradient hook is registered
     q_check: object = None  # layouts.QCheck of its W^Q slice, until it passed or failed
     wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
-    stopped_clip: bool = False  # QK-clip was told to stop for it (wq_refused)
     silent_reported: bool = False  # "no attention call seen" was reported
     device_cache: dict = field(default_factory=dict)  # device -> DeviceConstants
     buf: StepBuffers | None = None
@@ -165,18 +163,6 @@ class LayerState:
         if self.module_calls == 0 and self.routed_calls == 0:
             return self.unmitigable  # not called since: the last thing known
         return None
-
-    def withdraw(self, reason: str, unreported: list) -> list:
-        """Mark its pending mode events applied=False (`not_applied` gave `reason`);
-        returns copies of those not in `unreported`, to go out with this report."""
-        out = []
-        for e in self.pending:
-            e.applied = False
-            e.reason = f"{e.reason}; not applied: {reason}"
-            if not any(e is u for u in unreported):
-                out.append(replace(e))
-        self.pending.clear()
-        return out
 
     def reset(self) -> None:
         """Fresh step buffers, on the device the last step's calls ran on."""

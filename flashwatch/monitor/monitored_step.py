@@ -33,13 +33,14 @@ from flashwatch.mitigation.qkclip import QKClip
 from flashwatch.monitor import aggregate, probe
 from flashwatch.monitor.agreement import Agreement
 from flashwatch.monitor.capture import Recorder
+from flashwatch.monitor.head_modes import HeadModes
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.parallel import layout, reduce
 from flashwatch.parallel.layout import HeadTable
 from flashwatch.parallel.sharding import RemoteFailure, spectral_norms
 from flashwatch.report import metrics
-from flashwatch.report.records import Event, HeadRecord, StepReport
+from flashwatch.report.records import HeadRecord, StepReport
 from flashwatch.signals.drift import HeadSignals, SignalValues
 
 # The signals a report carries: SignalValues' fields that are rows of the metrics table
@@ -81,55 +82,40 @@ class StepPipeline:
         self.heads = self.table.keys
         n = len(self.heads)
         self.holders = self.table.head_holders().numpy()
-        self.positions = (torch.cat([st.heads for st in states]) if states
-                          else torch.zeros(0, dtype=torch.int64))
-        self.held = torch.zeros(n, dtype=torch.bool)
-        self.held[self.positions] = True
-        self.modes = torch.zeros(n, dtype=torch.int64)  # every head's, held here or not
-        self.user_set = torch.zeros(n, dtype=torch.bool)  # set by hand since the exchange
+        # every head's modes and pending mode events (flashwatch/monitor/head_modes.py)
+        self.book = HeadModes(self.heads, states, set_modes, ledger)
+        self.positions, self.held = self.book.positions, self.book.held
         self.signals = HeadSignals(n, config.sketch_dim, config.window)
         self.policy = Policy(config, self.heads)
         self.qk_clip = QKClip(config, [st.site for st in states],
-                              offsets=[st.offset for st in states], n_heads=n)
+                              offsets=[st.offset for st in states], n_heads=n,
+                              layers=clip_layers(self.table, states))
         self.buffers = reduce.Buffers(aggregate.shapes(n, config.sketch_dim))
         self.agreement = Agreement(monitor, ledger, self.buffers)
         self.events: list = []  # every mode change and QK-clip since the start
-        self.unreported: list = []  # hand-set mode changes not yet in a StepReport
-        self.confirmed: list = []  # mode events seen run since the last report
         self.realign_to: int | None = None  # step count the ranks agreed on, if moved
+
+    @property
+    def unreported(self) -> list:
+        """Mode events not yet in a StepReport (set by hand here or learnt)."""
+        return self.book.unreported
+
+    @unreported.setter
+    def unreported(self, events: list) -> None:
+        self.book.unreported = events
 
     def user_change(self, st: LayerState, new: torch.Tensor, step: int) -> None:
         """Modes set by hand (Watcher.set_head_modes): an event per changed head, out
         with the next report and applied once a report sees it run; those heads' signals
         and policy judge the new mode on what comes after it only."""
-        changed = torch.zeros(len(self.heads), dtype=torch.bool)
-        for h in range(st.site.num_heads):
-            if int(new[h]) != int(st.modes[h]):
-                changed[st.offset + h] = True
-                event = Event(step=step, layer=st.site.name, head=st.site.head_offset + h,
-                              from_mode=Mode(int(st.modes[h])), to_mode=Mode(int(new[h])),
-                              reason="set by user", applied=True)
-                self.events.append(event)
-                self.unreported.append(event)  # goes out with the next report
-                if event.to_mode != Mode.STANDARD:
-                    st.pending.append(event)  # applied once a report sees it run
-        self.set_modes(st, new)
-        if changed.any():
-            self.user_set |= changed  # other ranks restart these heads at the exchange
+        events, changed = self.book.user_change(st, new, step)
+        self.events += events
+        if changed.any():  # other ranks restart these heads at the exchange
             self.signals.reset_window(changed)
             self.policy.restart(changed)
 
-    def set_modes(self, st: LayerState, new: torch.Tensor) -> None:
-        self._set_local(st, new)
-        self.modes[st.offset:st.offset + st.site.num_heads] = new.long()
-
     def global_modes(self) -> torch.Tensor:
-        """[n] int64: the modes of every head, this rank's own as its layers hold them
-        (a loaded state sets them there), the others' as the last exchange told."""
-        modes = self.modes.clone()
-        for st in self.states:
-            modes[st.offset:st.offset + st.site.num_heads] = st.modes.long()
-        return modes
+        return self.book.global_modes()
 
     def run(self, step: int) -> StepReport:
         """A monitored step's report, as a fixed schedule of collectives that every rank
@@ -138,6 +124,7 @@ class StepPipeline:
             local    judge modes, buffers, W^Q norms (sharded: collectives of their own,
                      fault-symmetric), one move to the host        each stage guarded
             EXCHANGE one SUM + one MAX                 always: a failed rank sends fills
+                                                       and, if it can, its mode fields
             local    modes of other ranks, finish, decide          each stage guarded
             VOTE     one MAX                           always: a failed rank says so
             HEAL     one broadcast                     iff the vote (read with numpy, the
@@ -147,22 +134,44 @@ class StepPipeline:
         Between two collectives nothing of torch decides what comes next: the exchange
         and the vote fill and read numpy buffers (reduce.Buffers). Only a broken group
         (a collective that raised: a rank that never came) stops the schedule."""
-        not_applied, withdrawn = self._local("judge modes", self._judge_modes, ({}, []))
+        not_applied = self._local("judge modes", self.book.judge, {})
         parts = self._local("step totals", self._step_buffers, None)
         sigma = self._spectral()  # every rank: sharded W^Q norms are collectives
-        local = None
+        local = measured = None
         if parts is not None:
-            local = self._local("step totals", lambda: self._contribution(
-                *parts, sigma, not_applied), None)
+            measured = self._local("step totals", lambda: self._contribution(*parts, sigma),
+                                   None)
+        # the mode fields go out even where the measurement failed (a hand-set mode must
+        # reach the other ranks before a heal could undo it)
+        modes = self._local("modes", lambda: self.book.fields(not_applied), None)
+        if modes is not None:
+            local = measured if measured is not None else self._local(
+                "step totals", lambda: aggregate.fills(len(self.heads), self.config.sketch_dim),
+                None)
+            if local is not None:
+                local.update(modes)
         self._local("step totals", self.recorder.clear_step, None)
-        red = self._exchange(local, step)
-        ran = self._local("modes of other ranks", lambda: self._ran_everywhere(
-            red, not_applied), None)
+        red = self._exchange(local, step, failed=measured is None)
+        ran, elsewhere = self._local("modes of other ranks", lambda: self._learn(
+            red, not_applied, step), (None, {}))
         decided = self._decide_together(step, red)
         if decided.arrays is None:
             raise RuntimeError(f"no numbers to report at step {step}: "
                                f"{self.monitor.broken or 'see the errors logged above'}")
-        return self._report(step, decided, ran, not_applied, withdrawn)
+        return self._report(step, decided, ran, {**not_applied, **elsewhere},
+                            self.book.withdrawn)
+
+    def _learn(self, red, not_applied: dict, step: int) -> tuple[torch.Tensor, dict]:
+        """The exchange's mode fields (head_modes.HeadModes.learn): the modes each head
+        ran and the layers held elsewhere whose modes did not run; hand-set modes of
+        other ranks logged, and every hand-set head's signals and policy restarted."""
+        ran, told, events, elsewhere = self.book.learn(
+            None if red is None else red.maxes, not_applied, step)
+        self.events += events
+        if told.any():  # set by hand anywhere: judged on what follows only
+            self.signals.reset_window(told)
+            self.policy.restart(told)
+        return ran, elsewhere
 
     def _local(self, stage: str, fn, failed):
         """A local stage of the schedule: its result, or `failed` with the error counted
@@ -173,77 +182,10 @@ class StepPipeline:
             self.ledger.error(stage, e)
             return failed
 
-    def _contribution(self, layers, totals, sigma, not_applied) -> dict[str, torch.Tensor]:
-        local = aggregate.contribution(aggregate.place(
+    def _contribution(self, layers, totals, sigma) -> dict[str, torch.Tensor]:
+        return aggregate.contribution(aggregate.place(
             aggregate.to_host(aggregate.gather(layers, totals, sigma)),
             self.positions, len(self.heads)))
-        local.update(self._held_modes(not_applied))
-        return local
-
-    def _ran_everywhere(self, red, not_applied) -> torch.Tensor:
-        """The modes each head's kernel ran: this rank's own, the others' as reduced."""
-        ran = self._ran(not_applied)
-        if red is None:
-            return ran
-        return torch.where(self.held, ran, self._learn_modes(red.maxes))
-
-    def _held_modes(self, not_applied: dict) -> dict[str, torch.Tensor]:
-        """This rank's part of the mode fields of the exchange: the modes it set and ran
-        and its hand-set flags at the heads it holds, -inf elsewhere."""
-        ran = self._ran(not_applied).double()
-        fill = torch.full((len(self.heads),), -math.inf, dtype=torch.float64)
-        return {k: torch.where(self.held, v, fill) for k, v in (
-            ("mode", self.global_modes().double()), ("ran", ran),
-            ("user_set", self.user_set.double()))}
-
-    def _ran(self, not_applied: dict) -> torch.Tensor:
-        """What the kernel runs at each head: not a layer's modes it cannot apply."""
-        ran = self.global_modes()
-        for st in self.states:
-            if st.site.name in not_applied:
-                ran[st.offset:st.offset + st.site.num_heads] = int(Mode.STANDARD)
-        return ran
-
-    def _learn_modes(self, maxes: dict[str, np.ndarray]) -> torch.Tensor:
-        """After the exchange: the modes of heads held elsewhere, and the restart of heads
-        set by hand on another rank (as user_change did where they were set). Returns the
-        modes each head ran, for the report (-1: unknown)."""
-        mode, user_set, ran = (torch.from_numpy(maxes[k]) for k in ("mode", "user_set", "ran"))
-        held_elsewhere = ~self.held & torch.isfinite(mode)
-        self.modes[held_elsewhere] = mode[held_elsewhere].long()
-        restart = ~self.held & (user_set > 0)
-        if restart.any():
-            self.signals.reset_window(restart)
-            self.policy.restart(restart)
-        self.user_set.zero_()
-        return torch.where(torch.isfinite(ran), ran, torch.full_like(ran, -1.0)).long()
-
-    def _judge_modes(self) -> tuple[dict, list]:
-        """Which layers' non-STANDARD modes did not run since the last report, and the
-        events withdrawn for it (local facts: each rank reports its own)."""
-        not_applied, withdrawn = {}, []
-        for st in self.states:
-            reason = st.not_applied()
-            if reason is not None:  # say so, never claim the modes applied
-                not_applied[st.site.name] = reason
-                if st.module_calls or st.fallback_calls or st.shadowed:  # seen failing now
-                    self.ledger.error(f"mitigation {st.site.name}", RuntimeError(reason))
-                    withdrawn += st.withdraw(reason, self.unreported)
-                    st.silent_reported |= not st.buf.calls  # said, with its modes
-            elif st.routed_calls > 0:
-                self.confirmed += [e for e in st.pending if e.applied]
-                st.pending.clear()  # seen run: the events stand
-                st.unmitigable = None
-            if st.buf.forwards and not st.buf.calls and not st.silent_reported:
-                st.silent_reported = True  # logged and counted once
-                self.ledger.error(f"attention of {st.site.name}", RuntimeError(
-                    f"{st.site.name} ran {st.buf.forwards} forward(s) in a monitored step "
-                    f"without an attention call flashwatch sees (F.scaled_dot_product_"
-                    f"attention or flashwatch.attention): its ties, max logit and δ error "
-                    f"are NaN and QK-clip cannot act there; make it call SDPA (Hugging "
-                    f"Face: attn_implementation='sdpa') or leave it out of `sites`"))
-            st.module_calls = st.routed_calls = st.fallback_calls = 0
-        return not_applied, withdrawn
 
     def _step_buffers(self) -> tuple[list, dict]:
         """The layers' buffers and the probe totals of every call not reduced yet, where
@@ -288,7 +230,7 @@ class StepPipeline:
             out.append(s)
         return out
 
-    def _exchange(self, local: dict | None, step: int):
+    def _exchange(self, local: dict | None, step: int, failed: bool = False):
         """reduce.exchange on the monitor's group, or None once the group is broken.
         Ranks at different step counts are told so (every rank: it is in the reduced
         numbers) and realigned to the highest."""
@@ -297,7 +239,7 @@ class StepPipeline:
             return None
         try:
             red = reduce.exchange(monitor, local, local, self.buffers.shapes, step=step,
-                                  buffers=self.buffers)
+                                  buffers=self.buffers, failed=failed)
         except Exception as e:
             self.ledger.error("cross-rank reduction", e)
             return None
@@ -345,6 +287,8 @@ class StepPipeline:
         if not agreed:
             clip_plan = None  # weights change only where every rank agreed
             self.agreement.heal(self._state, self._adopt)
+        if decision is not None:  # pending until seen run where the head is held
+            self._local("apply decision", lambda: self.book.hold(decision.events), None)
         clips = self._local("qk_clip", lambda: self._safe_qk_clip(step, arrays, clip_plan),
                             [])
         return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
@@ -371,30 +315,20 @@ class StepPipeline:
     def _adopt(self, state: dict) -> None:
         """The source rank's state, the modes first (and again if they fail: they are
         what runs next step); each part counted if it fails."""
-        if self._local("state broadcast", lambda: self._set_all(state["modes"]),
-                       False) is False:
-            self._local("state broadcast", lambda: self._set_all(state["modes"]), None)
+        def adopt_modes():  # hand-set here, not exchanged yet: the source cannot know them
+            self.book.set_all(state["modes"], keep_hand_set=True)
+
+        if self._local("state broadcast", adopt_modes, False) is False:
+            self._local("state broadcast", adopt_modes, None)
         self._local("state broadcast",
                     lambda: self.signals.load_state_dict(state["signals"]), None)
         self._local("state broadcast", lambda: self.policy.load_state_dict(state["policy"]),
                     None)
 
-    def _set_all(self, modes: torch.Tensor) -> None:
-        """Every head's modes [n]: this rank's layers run theirs."""
-        self.modes = modes.long().clone()
-        new_modes = modes.to(torch.int32)
-        for st in self.states:
-            self.set_modes(st, new_modes[st.offset:st.offset + st.site.num_heads].clone())
-
     def _set_decided(self, decision) -> None:
         """A decision's modes on this rank's layers (the events are kept after the
         vote)."""
-        self._set_all(decision.modes)
-        by_name = {st.site.name: st for st in self.states}
-        for e in decision.events:  # applied once a report sees them run where they are held
-            if (e.applied and e.kind == "mode" and e.to_mode != Mode.STANDARD
-                    and e.layer in by_name):
-                by_name[e.layer].pending.append(e)
+        self.book.set_all(decision.modes)
         if decision.reset_window.any():
             self.signals.reset_window(decision.reset_window)
 
@@ -417,7 +351,7 @@ class StepPipeline:
         # benchmarks/bench_scale.py).
         columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v))
                    for k, v in cols.items()}
-        ran = torch.where(ran < 0, modes, ran)  # a head no rank reported ran: as set
+        ran = modes if ran is None else torch.where(ran < 0, modes, ran)  # unknown: as set
         recommended = (decision.recommended if decision is not None else modes).tolist()
         flagged = (decision.flagged if decision is not None
                    else torch.zeros(n, dtype=torch.bool)).tolist()
@@ -432,8 +366,8 @@ class StepPipeline:
         self.unreported = []
         report = StepReport(step=step, heads=records, events=events,
                             unmitigable=not_applied, qk_clips_total=self.qk_clip.total)
-        report.confirmed = self.confirmed  # events seen run: counters count these
-        self.confirmed = []
+        report.confirmed = self.book.confirmed  # events seen run: counters count these
+        self.book.confirmed = []
         return report
 
     def _qk_clip_plan(self, a) -> torch.Tensor | None:
@@ -453,19 +387,35 @@ class StepPipeline:
             return []
         modes = self.global_modes()
         stops = []
-        for st in self.states:  # a W^Q slice refused on any rank: stop clipping there
-            h = slice(st.offset, st.offset + st.site.num_heads)
-            if not st.stopped_clip and bool(a.refused[h].all()):
-                st.stopped_clip = True
-                stops += self.qk_clip.stop_layer(step, st.site.name, st.wq_refused or
-                                                 "its W^Q slice failed the check on a rank")
+        mine = {st.site.name: st.wq_refused for st in self.states}
+        for name, heads in self.table.layers:  # a W^Q slice refused on a rank: stop there
+            at = self.table.offset(name)
+            refused = torch.from_numpy(a.refused[at:at + heads])
+            if refused.any():
+                stops += self.qk_clip.stop_layer(
+                    step, name, mine.get(name) or "its W^Q slice failed the check on a rank",
+                    heads=refused)
         try:  # clips of the last step count once this measurement shows them
             confirmed, failed = self.qk_clip.confirm(max_logit, step)
             clips = self.qk_clip.apply(step, max_logit, modes)
         except Exception as e:
             self.ledger.error("qk_clip", e)
             return stops
-        self.confirmed += confirmed
+        if self.qk_clip.scale_errors:  # one error a step, naming every layer it hit
+            names = [name for name, _ in self.qk_clip.scale_errors]
+            self.ledger.error(f"qk_clip of {names}", self.qk_clip.scale_errors[0][1])
+        self.book.confirmed += confirmed
         clips = stops + confirmed + failed + clips
         self.events.extend(clips)
         return clips
+
+
+def clip_layers(table: HeadTable, states: list[LayerState]) -> list[tuple]:
+    """QK-clip's books over every layer of the table: (name, offset, heads, K heads,
+    QK-norm) from the facts its first holder gave at attach (flashwatch/watcher.py)."""
+    out = []
+    for name, heads in table.layers:
+        facts = table.layer_facts(name)
+        out.append((name, table.offset(name), heads, int(facts.get("kv_heads", heads)),
+                    facts.get("qk_norm")))
+    return out

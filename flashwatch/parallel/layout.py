@@ -38,6 +38,10 @@ class HeadTable:
 
     layers: tuple[tuple[str, int], ...]
     holders: tuple[int, ...]
+    # per layer, what the first rank holding it said of it beyond its heads (a dict of
+    # plain values, e.g. QK-clip's global K head count and QK-norm): ranks that do not
+    # hold a layer still book its heads' clips (flashwatch/mitigation/qkclip.py)
+    facts: tuple[dict, ...] = ()
 
     @property
     def n(self) -> int:
@@ -60,6 +64,9 @@ class HeadTable:
     def index(self, name: str) -> int:
         return [layer for layer, _ in self.layers].index(name)
 
+    def layer_facts(self, name: str) -> dict:
+        return self.facts[self.index(name)] if self.facts else {}
+
     def head_holders(self) -> torch.Tensor:
         """[n] float64: how many ranks hold each head (its replica count)."""
         return torch.tensor([float(r) for r in self.holders], dtype=torch.float64)
@@ -69,18 +76,23 @@ def build(per_rank: list[list[tuple]]) -> HeadTable:
     """The table from every rank's layers, in rank order: (name, num_heads) for a whole
     layer, or (name, num_heads, first_head, local_heads) for the heads [first_head,
     first_head + local_heads) of a layer of num_heads global heads that the rank holds
-    (tensor parallelism: whole heads per rank). Raises ValueError, naming the layer and
-    the ranks, where ranks disagree on a layer's global head count, a rank lists a layer
-    twice, a range falls outside the layer, or some head is held by no rank."""
+    (tensor parallelism: whole heads per rank), the latter optionally followed by a dict
+    of facts about the layer (`HeadTable.facts`; the first holder's are kept). Raises
+    ValueError, naming the layer and the ranks, where ranks disagree on a layer's global
+    head count, a rank lists a layer twice, a range falls outside the layer, or some
+    head is held by no rank."""
     order: list[str] = []
     heads: dict[str, int] = {}
     first_rank: dict[str, int] = {}
     held: dict[str, list[int]] = {}
+    facts: dict[str, dict] = {}
     for rank, layers in enumerate(per_rank):
         seen = set()
         for entry in layers:
             name, h = entry[0], entry[1]
-            first, count = (entry[2], entry[3]) if len(entry) == 4 else (0, h)
+            first, count = (entry[2], entry[3]) if len(entry) >= 4 else (0, h)
+            if len(entry) == 5:
+                facts.setdefault(name, dict(entry[-1]))
             if name in seen:
                 raise ValueError(f"flashwatch.watch: rank {rank} watches layer {name!r} "
                                  f"twice; list each attention module once")
@@ -108,7 +120,8 @@ def build(per_rank: list[list[tuple]]) -> HeadTable:
                              f"by no rank; every rank that holds part of a layer must "
                              f"watch it")
     return HeadTable(layers=tuple((name, heads[name]) for name in order),
-                     holders=tuple(r for name in order for r in held[name]))
+                     holders=tuple(r for name in order for r in held[name]),
+                     facts=tuple(facts.get(name, {}) for name in order))
 
 
 def gather(monitor, local: list[tuple]) -> HeadTable:
@@ -120,4 +133,5 @@ def gather(monitor, local: list[tuple]) -> HeadTable:
 
     per_rank: list = [None] * monitor.world
     dist.all_gather_object(per_rank, [tuple(e) for e in local], group=monitor.group)
-    return build([[(str(e[0]), *map(int, e[1:])) for e in layers] for layers in per_rank])
+    return build([[(str(e[0]), *map(int, e[1:4]), *e[4:]) for e in layers]
+                  for layers in per_rank])

@@ -5,9 +5,10 @@ tensor and reduced by one `all_reduce`, so one monitored step costs a fixed numb
 small collectives whose payload depends on the model (heads, sketch_dim), never on the
 number of ranks. With n heads and k = sketch_dim the watcher packs
   SUM  n · (11 + k²) values + 1 (the step's sums, and how many ranks failed locally)
-  MAX  2 · n + 2 values (max logit, W^Q spectral norm, the step count and its negative)
-i.e. about 8 · n · (13 + k²) bytes; a ring or tree all_reduce sends and receives about
-twice that per rank whatever the world size (n = 5,120, k = 8: 3.1 MB, ≈ 6.4 MB each
+  MAX  9 · n + 2 values (max logit, W^Q spectral norm, three flags, the four mode
+       fields of flashwatch/monitor/head_modes.py, the step count and its negative)
+i.e. about 8 · n · (20 + k²) bytes; a ring or tree all_reduce sends and receives about
+twice that per rank whatever the world size (n = 5,120, k = 8: 3.4 MB, ≈ 6.9 MB each
 way). An all_gather would receive (world_size − 1) times that per rank.
 
 Fault symmetry. A collective that one rank skips is paired by the backend with the next
@@ -74,6 +75,7 @@ class MonitorGroup:
         self.world = dist.get_world_size() if dist else 1
         self.rank = dist.get_rank() if dist else 0
         self.group = None
+        self._subgroups: dict = {}  # ranks -> a gloo group of ours (`subgroup`)
         if self.world > 1:
             self.group = dist.new_group(backend="gloo",
                                         timeout=timedelta(seconds=self.timeout_s))
@@ -100,6 +102,23 @@ class MonitorGroup:
     @property
     def distributed(self) -> bool:
         return self.group is not None
+
+    def subgroup(self, group):
+        """A gloo group of the monitor's own over the ranks of `group` (e.g. the dp group
+        a tensor-parallel rank's rows are sharded over, or a pipeline stage's FSDP2
+        mesh): made once, on first use, by those ranks only (use_local_synchronization),
+        so the host power iteration can run there without touching the training's own
+        group. The monitor's group itself where `group` spans every rank."""
+        if self.covers(group):
+            return self.group
+        dist = _dist()
+        ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+        got = self._subgroups.get(ranks)
+        if got is None:
+            got = self._subgroups[ranks] = dist.new_group(
+                list(ranks), backend="gloo", timeout=timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True)
+        return got
 
     def covers(self, group) -> bool:
         """Whether `group` (e.g. an FSDP2 mesh's) spans the same ranks as ours, so a
@@ -161,24 +180,28 @@ class Buffers:
 
 def exchange(monitor: MonitorGroup | None, sums: dict[str, torch.Tensor] | None,
              maxes: dict[str, torch.Tensor] | None, shapes: dict[str, tuple], *,
-             step: int, buffers: Buffers | None = None) -> Reduced:
+             step: int, buffers: Buffers | None = None, failed: bool = False) -> Reduced:
     """One SUM and one MAX all_reduce of a monitored step, issued whatever failed.
 
     `shapes` names every summed and maxed tensor and its shape (the same on every rank:
     it comes from the watched model, never from what was measured). `sums`/`maxes` None
     means this rank's local stage failed: it contributes zeros and -inf and counts
-    itself in `failed_ranks`. `buffers`: the watcher's (new ones if None)."""
+    itself in `failed_ranks`; `failed` counts it there too while it sends what it gives
+    (fills for what it failed to measure, and facts that must still go out, e.g. the
+    watcher's head modes). `buffers`: the watcher's (new ones if None)."""
     buf = buffers if buffers is not None else Buffers(shapes)
-    failed, error = sums is None or maxes is None, None
-    if not failed:
+    error = None
+    counted = failed or sums is None or maxes is None
+    packed = sums is not None and maxes is not None
+    if packed:
         try:
             buf.sums[:-1] = _pack(sums, buf.sum_keys, shapes, strip="").numpy()
             buf.maxes[:-2] = _pack(maxes, buf.max_keys, shapes, strip="max:").numpy()
         except Exception as e:  # still take part, with the fills of a failed rank
-            failed, error = True, e
-    if failed:
+            packed, counted, error = False, True, e
+    if not packed:
         buf.sums[:-1], buf.maxes[:-2] = 0.0, -math.inf
-    buf.sums[-1] = float(failed)
+    buf.sums[-1] = float(counted)
     buf.maxes[-2:] = (float(step), -float(step))
     if monitor is not None:
         monitor.all_reduce_(buf.sums_t, "sum")

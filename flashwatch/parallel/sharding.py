@@ -37,6 +37,7 @@ from flashwatch.signals.spectral import (
     start_vector,
 )
 from flashwatch.sites.site import AttentionSite
+from flashwatch.sites.weights import fsdp_x_tp
 
 
 def world_size() -> int:
@@ -113,9 +114,12 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
 
 def is_row_sharded(site: AttentionSite) -> bool:
     """W^Q is rows of an nn.Linear weight that is a DTensor sharded on dim 0 over a 1-D
-    mesh: the same answer on every rank (it reads the weight's placement, not data)."""
+    mesh, or over dp within each tp shard (FSDP2 × TP): the same answer on every rank
+    (it reads the weight's placement, not data)."""
     from torch.distributed.tensor import Shard
 
+    if _fsdp_tp_weight(site) is not None:
+        return True
     source = getattr(site.wq_source, "rows_of", None)
     if source is None or not isinstance(source[0], nn.Linear):
         return False
@@ -134,20 +138,26 @@ def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **k
     read takes part with no rows and a failure flag that the iteration's own all_reduce
     carries, so every rank stops at the same iteration with a RemoteFailure. On the
     monitor's own group when it spans the mesh's ranks (the usual 1-D FSDP2 mesh), else
-    on the mesh's group (HSDP and other sub-meshes: docs/limits.md)."""
-    group = site.wq_source.rows_of[0].weight.device_mesh.get_group(0)  # is_row_sharded
+    on a gloo group of the monitor's over that group's ranks (MonitorGroup.subgroup:
+    FSDP2 × TP's dp group, a pipeline stage's FSDP2 mesh); without a monitor (a direct
+    call), on the mesh's own group."""
+    fsdp_tp = _fsdp_tp_weight(site)
+    if fsdp_tp is not None:  # the ranks holding this TP rank's rows: its dp group
+        group = fsdp_tp.device_mesh.get_group(0)
+    else:
+        group = site.wq_source.rows_of[0].weight.device_mesh.get_group(0)  # is_row_sharded
     error = None
     try:
         rows, head, _ = local_wq_rows(site)
     except Exception as e:  # take part with no rows and the failure flag up
         error = e
         rows, head = torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64)
-    host = monitor is not None and monitor.distributed and monitor.covers(group)
+    host = monitor is not None and monitor.distributed
     try:
         if host:  # every rank runs the same iterations, whatever raises between them
             got = host_power_iteration(rows, head, site.num_heads, site.d_model, v, iters,
-                                       group=monitor.group, failed=error is not None,
-                                       **kwargs)
+                                       group=monitor.subgroup(group),
+                                       failed=error is not None, **kwargs)
         else:
             got = sharded_power_iteration(rows, head, site.num_heads, v, iters,
                                           group=group, failed=error is not None, **kwargs)
@@ -268,7 +278,12 @@ def _dim0_rows(t, start: int, stop: int, head_dim: int):
 def local_wq_rows(site: AttentionSite):
     """(rows [n, d_model], head [n] int64, process group) of W^Q held by this rank, when
     W^Q is rows [start, stop) of an nn.Linear weight that is a DTensor sharded on dim 0
-    over a 1-D mesh; else None. n may be 0 (a rank holding only K and V rows)."""
+    over a 1-D mesh, or a tensor-parallel site's rows sharded over dp (FSDP2 × TP: the
+    group is the dp one); else None. n may be 0 (a rank holding only K and V rows)."""
+    w = _fsdp_tp_weight(site)
+    if w is not None:
+        rows, head = _tp_rows(site, w)
+        return rows, head, w.device_mesh.get_group(0)
     source = getattr(site.wq_source, "rows_of", None)  # set by sites/weights.rows_of
     if source is None:
         return None
@@ -289,11 +304,16 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     this rank's own gradient (averaged=False). A DTensor is FSDP2's shard of the gradient
     averaged over ranks (averaged=True): sharded on dim 0 over a 1-D mesh, each rank sums
     its own rows, so that the cross-rank SUM of the watcher's reduction gives the averaged
-    gradient's norm without a gather; any other layout is gathered and counted on rank 0
-    only."""
+    gradient's norm without a gather; any other layout is gathered and counted once, on
+    the first rank of the weight's mesh (`first_rank`: under DP × PP, the stage's own)."""
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
+    if site.global_heads is not None and fsdp_x_tp(grad):  # FSDP2 × TP: rows over dp
+        rows, head = _tp_rows(site, grad)
+        out = torch.zeros(H, dtype=torch.float64, device=rows.device)
+        out.index_add_(0, head, rows.double().square().sum(-1))
+        return out, True  # each row on one rank of the dp group: the SUM adds them
     if site.global_heads is not None and is_dtensor(grad):  # TP: this rank's own heads
         grad = grad.to_local()
     if not is_dtensor(grad):
@@ -309,11 +329,49 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)
         out.index_add_(0, head, rows.double().square().sum(-1))
         return out, True
-    full = grad.full_tensor().detach()  # every rank holds it: count it once
+    full = grad.full_tensor().detach()  # every rank of its mesh holds it: count it once
     out = torch.zeros(H, dtype=torch.float64, device=full.device)
-    if torch.distributed.get_rank() == 0:
+    if torch.distributed.get_rank() == first_rank(grad.device_mesh):
         out = q_rows(site, full).double().reshape(H, D, -1).square().sum((1, 2))
     return out, True
+
+
+def _fsdp_tp_weight(site: AttentionSite):
+    """The Q Linear's weight of a tensor-parallel site under FSDP2 × TP, outside the
+    forward (sharded over dp within the TP shard); else None."""
+    q = site.q_module
+    w = getattr(q, "weight", None) if site.global_heads is not None else None
+    return w if isinstance(q, nn.Linear) and fsdp_x_tp(w) else None
+
+
+def _tp_rows(site: AttentionSite, t) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, head [n] int64) of this rank's local shard of an FSDP2 × TP weight (or its
+    gradient) `t` that are W^Q rows of the site's local heads: the shard's global row
+    offset (compute_local_shape_and_global_offset) less the TP rank's first row gives
+    rows in the TP shard's numbering, where the site's Q channels are
+    [q_slice_of_output)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                          t.placements)
+    tp_rank, tp_size = t.device_mesh.get_local_rank(1), t.device_mesh.size(1)
+    per_tp = -(-t.shape[0] // tp_size)
+    local = t.to_local().detach()
+    if local.shape[0] != shape[0]:
+        raise RuntimeError(f"local shard of {tuple(t.shape)} has {local.shape[0]} rows, "
+                           f"expected {shape[0]} ({t.placements})")
+    start, stop = site.q_slice_of_output
+    first = offset[0] - tp_rank * per_tp  # in the TP shard's rows
+    a, b = max(start, first), min(stop, first + shape[0])
+    rows = local[a - first:max(a, b) - first]
+    head = (torch.arange(a, max(a, b), device=rows.device) - start) // site.head_dim
+    return rows, head
+
+
+def first_rank(mesh) -> int:
+    """The lowest global rank of a DeviceMesh: the one rank of the weight's holders that
+    counts a gathered gradient (global rank 0 may hold another pipeline stage)."""
+    return int(mesh.mesh.min())
 
 
 def sharded_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,

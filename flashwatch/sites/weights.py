@@ -34,10 +34,9 @@ def plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     outside its FSDP2 forward a sharded module cannot mix them with a plain input. A
     tensor-parallel Linear gives this rank's channels, which its local W^Q rows describe
     (computed from its local shards, without its hooks)."""
-    if module in _TP_LINEARS:
-        w, bias = module.weight, module.bias
+    if module in _TP_LINEARS:  # its parameters read at the call (FSDP2 swaps them)
         return lambda x: torch.nn.functional.linear(
-            x, w.to_local(), None if bias is None else bias.to_local())
+            x, tp_local(module.weight), None if module.bias is None else tp_local(module.bias))
     params = dict(module.named_parameters())
     if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
         return module
@@ -101,10 +100,12 @@ _TP_LINEARS: weakref.WeakSet = weakref.WeakSet()
 
 def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, int] | None:
     """(this rank's index, TP size) when `linear`'s weight is a DTensor sharded on dim 0
-    over a 1-D mesh by tensor parallelism (torch's ColwiseParallel, Hugging Face's
-    tp_plan "colwise"); else None. Under FSDP2 (`under_fsdp`: the Linear sits inside a
-    fully_shard module) such a weight is FSDP2's own shard, not TP, unless its forward is
-    hooked by torch's distribute_module too (FSDP2 × TP on a 2-D mesh: refused)."""
+    by tensor parallelism (torch's ColwiseParallel, Hugging Face's tp_plan "colwise"):
+    over a 1-D mesh, or on the tp dimension of FSDP2 × TP's 2-D mesh, whose placements
+    are (_StridedShard(0), Shard(0)) on (dp, tp); else None. Under FSDP2 (`under_fsdp`:
+    the Linear sits inside a fully_shard module) a 1-D weight is FSDP2's own shard, not
+    TP; a 2-D one is TP when its forward is hooked by torch's distribute_module. Other
+    2-D and 3-D layouts (HSDP × TP) are refused."""
     w = getattr(linear, "weight", None)
     if not (callable(getattr(w, "to_local", None)) and hasattr(w, "placements")):
         return None
@@ -112,11 +113,15 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
     hooked = any("distribute_module" in getattr(h, "__qualname__", "")
                  for h in getattr(linear, "_forward_pre_hooks", {}).values())
     if len(placements) > 1 and (hooked or not under_fsdp):
-        raise ValueError(
-            f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
-            f"is sharded on a {len(placements)}-D mesh ({placements}: FSDP2 × TP or "
-            f"HSDP × TP) is not supported yet; watch a TP-only (1-D mesh) model, or leave "
-            f"these layers out with sites=... (docs/limits.md)")
+        if not fsdp_x_tp(w):
+            raise ValueError(
+                f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
+                f"is sharded on a {len(placements)}-D mesh ({placements}: HSDP × TP?) is "
+                f"not supported; FSDP2 × TP on a (dp, tp) mesh is (placements "
+                f"(_StridedShard(0), Shard(0))), and TP on a 1-D mesh; or leave these "
+                f"layers out with sites=... (docs/limits.md)")
+        _TP_LINEARS.add(linear)
+        return w.device_mesh.get_local_rank(1), w.device_mesh.size(1)
     if under_fsdp or not placements[0].is_shard(0):
         return None
     _TP_LINEARS.add(linear)
@@ -124,9 +129,29 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
     return mesh.get_local_rank(0), mesh.size(0)
 
 
+def fsdp_x_tp(w) -> bool:
+    """`w` is a DTensor of FSDP2 × TP outside the forward: rows sharded over tp (dim 1)
+    and, within each tp shard, over dp (dim 0): placements (_StridedShard(0), Shard(0))."""
+    p = tuple(getattr(w, "placements", ()))
+    return (len(p) == 2 and type(p[0]).__name__ == "_StridedShard" and p[0].dim == 0
+            and type(p[1]).__name__ == "Shard" and p[1].dim == 0)
+
+
+def tp_local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel weight's (or bias's) part on this TP rank, as a plain tensor:
+    its local shard; under FSDP2 × TP, outside the forward, gathered over dp first (a
+    collective on the dp group: call it on every rank)."""
+    if fsdp_x_tp(t):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(t.device_mesh, (Replicate(), t.placements[1]))
+    return t.to_local()
+
+
 def local_rows(linear: nn.Linear, stop: int) -> Callable[[], torch.Tensor]:
     """Getter for rows [0, stop) of this rank's shard of a tensor-parallel Linear's weight
-    (its local heads' channels), read on every call."""
+    (its local heads' channels), read on every call (`tp_local`: under FSDP2 × TP,
+    outside the forward, a collective)."""
     def rows() -> torch.Tensor:
-        return linear.weight.to_local()[:stop]
+        return tp_local(linear.weight)[:stop]
     return rows
