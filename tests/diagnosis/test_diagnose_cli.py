@@ -74,7 +74,7 @@ def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
         "from examples.gpt import GPT, GPTConfig\n"
         "def build():\n    return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, "
         "block_size=16))\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # module:function from the current directory, no PYTHONPATH
     (tmp_path / "d.txt").write_text("the quick brown fox jumps over the lazy dog " * 4)
     out = tmp_path / "out"
     assert main(["diagnose", "mymodels:build", "--data", str(tmp_path / "d.txt"),
@@ -86,7 +86,9 @@ def test_cli_module_function_and_errors(tmp_path, capsys, monkeypatch):
     torch.save({"weights": 1}, tmp_path / "other.pt")
     assert main(["diagnose", str(tmp_path / "other.pt"), "--data",
                  str(tmp_path / "d.txt")]) == 2
-    assert "not a nanoGPT checkpoint" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "found keys ['weights'], no state dict" in err and "accepted: a Hugging Face" in err
+    assert err.count("\n") == 1  # one line
 
 
 def test_the_default_batch_count_can_show_a_persistent_sign():
@@ -97,3 +99,26 @@ def test_the_default_batch_count_can_show_a_persistent_sign():
 
     args = build_parser().parse_args(["diagnose", "ckpt.pt", "--data", "train.bin"])
     assert math.sqrt(args.batches) >= Z_MIN, args.batches
+
+
+def test_the_demo_saves_checkpoints_diagnose_reads(tmp_path, capsys):
+    """`flashwatch diagnose runs/demo-*/ckpt_*.pt --data runs/demo-*/corpus.bin`, as the
+    demo's closing lines say: the glob lists the checkpoints oldest first."""
+    run = tmp_path / "run"
+    assert main(["demo", "--steps", "4", "--every", "4", "--out", str(run)]) == 0
+    assert f"flashwatch diagnose {run}/ckpt_*.pt --data {run}/corpus.bin" in \
+        capsys.readouterr().out
+    ckpts = sorted(str(p) for p in run.glob("ckpt_*.pt"))
+    assert [p.rsplit("/", 1)[1] for p in ckpts] == [
+        "ckpt_000001.pt", "ckpt_000002.pt", "ckpt_000003.pt", "ckpt_000004.pt"]
+    corpus = np.fromfile(run / "corpus.bin", dtype=np.uint16)
+    from flashwatch.demo import make_corpus
+    assert np.array_equal(corpus, make_corpus(200_000, 0).numpy())  # the demo's seed 0
+    out = tmp_path / "out"
+    assert main(["diagnose", *ckpts, "--data", str(run / "corpus.bin"), "--batches", "2",
+                 "--block", "16", "--out", str(out)]) == 0
+    js = json.loads((out / "diagnose.json").read_text())
+    assert [c["checkpoint_kind"] for c in js["checkpoints"]] == ["nanoGPT ckpt.pt"] * 4
+    sigma = [h["wq_sigma"] for c in js["checkpoints"] for h in c["heads"]
+             if (h["layer"], h["head"]) == ("transformer.h.0.attn", 0)]
+    assert len(set(sigma)) == 4  # four different models: it trained between them
