@@ -13,7 +13,8 @@ own SDPA) and one backward; every attention call is measured on every row in FP6
   sign_z            Σ_b S_b / sqrt(Σ_b S_b²), S_b = Σ_T c[T] of batch b: ≈ N(0, 1) if the
                     sign of the error is random, sqrt(batches) if it never changes
   sign_agreement    share of batches whose S_b has the majority sign
-  delta_abs_mean    mean |c[T]| per row
+  delta_abs_mean    mean |c[T]| per row; delta_sum: Σ_b S_b (the watcher's delta_error_sum
+                    summed over steps)
   wq_sigma          W^Q_h's largest singular value (FP64); wq_ratio: over the layer median
   wq_grad_ratio     mean_b ‖dW^Q_b‖ over the layer's median head: below GRAD_MIN
                     (rank.py) the share is not a signal
@@ -181,6 +182,7 @@ class Sums:
                 else (math.inf if e[:, h].mean() > 0 else 0.0),
                 delta_coherence=_f(coh[h]), sign_z=_f(z[h]), sign_agreement=_f(agree[h]),
                 delta_abs_mean=_f(self.c_abs[h] / max(1.0, float(self.rows[h]))),
+                delta_sum=_f(S[:, h].sum()),
                 wq_sigma=_f(sigma[h]), wq_ratio=_f(sigma[h] / med) if med > 0 else 1.0,
                 wq_grad_ratio=_f(grad[h] / grad_med) if grad_med > 0 else 1.0,
                 qk_clip_eta=_f(eta[h]), grad_path="exact" if self.linear else "autograd"))
