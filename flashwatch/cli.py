@@ -210,8 +210,13 @@ def _add_diagnose(sub) -> None:
                     "rank the heads and write report.md, diagnose.json and plots "
                     "(docs/diagnose.md).")
     diag.add_argument("checkpoints", nargs="+", metavar="CHECKPOINT",
-                      help="Hugging Face model directory, nanoGPT ckpt.pt or module:function; "
-                           "several: oldest first, for growth between them")
+                      help="Hugging Face folder, nanoGPT ckpt.pt, a state dict file (.pt, "
+                           "Lightning .ckpt), a torch.distributed.checkpoint or safetensors "
+                           "folder (these need --model), or module:function; several: "
+                           "oldest first, for growth between them")
+    diag.add_argument("--model", default=None, metavar="BUILDER",
+                      help="the model a state dict loads into: module:function (searched "
+                           "in the current directory) or a Hugging Face config folder")
     diag.add_argument("--data", required=True,
                       help="token ids (.bin uint16 as nanoGPT writes, .npy, .pt) or a text file")
     # 16: a sign that never changes over n batches has |z| = sqrt(n); 3 needs n ≥ 9
@@ -224,6 +229,9 @@ def _add_diagnose(sub) -> None:
     diag.add_argument("--device", default=None, help="cuda if available, else cpu")
     diag.add_argument("--tau", type=float, default=100.0, help="QK-clip threshold τ (100)")
     diag.add_argument("--seed", type=int, default=0, help="seed for the batch windows")
+    diag.add_argument("--layers", default=None,
+                      help="measure only these attention layers: indices and ranges in "
+                           "discovery order, e.g. 0,5-7 (default: all)")
     diag.add_argument("--out", type=Path, default=None,
                       help="output directory (default runs/diagnose-<time>)")
     diag.set_defaults(func=_diagnose)

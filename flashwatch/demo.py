@@ -78,11 +78,13 @@ def run_demo(*, steps: int, seed: int, out: Path, port: int | None, mitigation: 
           f"autocast on CPU, mitigation={mitigation}; run directory {out}", file=stream)
     if exporter is not None:
         print(f"Prometheus metrics: http://127.0.0.1:{exporter.port}/metrics", file=stream)
+    data.to(torch.uint16).numpy().tofile(out / "corpus.bin")  # `diagnose --data`, nanoGPT's
+    save = _Checkpoints(model, asdict(cfg), out, steps)
     t_start = time.perf_counter()
     try:
         _train(model, opt, watcher, lambda: _batch(data, block, batch, gen), steps=steps,
                log_path=out / "train.jsonl", summary=summary, print_every=print_every,
-               stream=stream)
+               stream=stream, on_step=save)
         if summary["ended"] == "running":
             summary["ended"] = "completed"
     except KeyboardInterrupt:
@@ -124,8 +126,26 @@ def _batch(data: torch.Tensor, block: int, batch: int,
     return inputs, targets
 
 
+class _Checkpoints:
+    """The model in nanoGPT's format (ckpt_<step>.pt, the step zero-padded so a shell glob
+    lists them oldest first) CHECKPOINTS times over the run, the last at its end:
+    `flashwatch diagnose runs/demo-*/ckpt_*.pt --data runs/demo-*/corpus.bin`."""
+
+    count = 4
+
+    def __init__(self, model, model_args: dict, out: Path, steps: int):
+        self.model, self.args, self.out = model, model_args, out
+        self.every = max(1, steps // self.count)
+        self.last = steps
+
+    def __call__(self, done: int) -> None:
+        if done % self.every == 0 or done == self.last:
+            torch.save({"model_args": self.args, "iter_num": done,
+                        "model": self.model.state_dict()}, self.out / f"ckpt_{done:06d}.pt")
+
+
 def _train(model, opt, watcher, next_batch, *, steps: int, log_path: Path, summary: dict,
-           print_every: int, stream) -> None:
+           print_every: int, stream, on_step=None) -> None:
     """The optimizer steps: one line in train.jsonl each, progress every print_every.
     Ends early on Ctrl-C (KeyboardInterrupt, between two steps) or a non-finite loss."""
     t_start = time.perf_counter()
@@ -148,6 +168,8 @@ def _train(model, opt, watcher, next_batch, *, steps: int, log_path: Path, summa
             log.write(json.dumps({"step": step, "loss": loss_v, "seconds": dt}) + "\n")
             log.flush()
             summary["steps_done"] = step + 1
+            if on_step is not None:
+                on_step(step + 1)
             if step % print_every == 0 or step == steps - 1:
                 rate = (step + 1) / (time.perf_counter() - t_start)
                 print(_progress(step, steps, loss_v, rate, watcher), file=stream)
@@ -211,8 +233,11 @@ def _finish(watcher, out: Path, summary: dict, seconds: float) -> None:
 
 def _print_next_steps(out: Path, exporter, stream) -> None:
     print(f"\nrun directory: {out}\n"
-          f"  flashwatch.jsonl, train.jsonl, watcher_state.pt, head_modes.json, summary.json\n"
-          f"plots and a summary:  flashwatch report {out}", file=stream)
+          f"  flashwatch.jsonl, train.jsonl, watcher_state.pt, head_modes.json, summary.json,\n"
+          f"  ckpt_<step>.pt (the model), corpus.bin (its data)\n"
+          f"plots and a summary:  flashwatch report {out}\n"
+          f"every head, exactly:  flashwatch diagnose {out}/ckpt_*.pt --data "
+          f"{out}/corpus.bin", file=stream)
     if exporter is not None:
         print("Prometheus and Grafana: `flashwatch dashboards --out DIR` writes the scrape "
               "job (set its target to 127.0.0.1:<port>),\nthe alert rules and the Grafana "

@@ -4,5 +4,6 @@ models and tokens (load.py), the Markdown report (report.py) and the CLI (cli.py
 
 Named diagnosis, not diagnose: `flashwatch.diagnose` is the public function.
 May import: flashwatch.kernels, flashwatch.sites, flashwatch.mitigation (QK-clip
-factors), flashwatch.nanogpt, flashwatch._checks.
+factors), flashwatch.monitor (traced.autocast_qkv: q, k, v as SDPA receives them, the
+watcher's function), flashwatch.nanogpt, flashwatch._checks.
 """

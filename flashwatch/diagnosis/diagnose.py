@@ -13,7 +13,8 @@ own SDPA) and one backward; every attention call is measured on every row in FP6
   sign_z            Σ_b S_b / sqrt(Σ_b S_b²), S_b = Σ_T c[T] of batch b: ≈ N(0, 1) if the
                     sign of the error is random, sqrt(batches) if it never changes
   sign_agreement    share of batches whose S_b has the majority sign
-  delta_abs_mean    mean |c[T]| per row
+  delta_abs_mean    mean |c[T]| per row; delta_sum: Σ_b S_b (the watcher's delta_error_sum
+                    summed over steps)
   wq_sigma          W^Q_h's largest singular value (FP64); wq_ratio: over the layer median
   wq_grad_ratio     mean_b ‖dW^Q_b‖ over the layer's median head: below GRAD_MIN
                     (rank.py) the share is not a signal
@@ -45,7 +46,7 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
              dtype: torch.dtype | None = torch.bfloat16, sites=None, tau: float = 100.0,
              eps: float = 1e-3, scores_dtype: torch.dtype | None = None,
              reference: Callable | None = None, progress: bool = True,
-             name: str = "model") -> dict:
+             name: str = "model", layers: Iterable[int] | None = None) -> dict:
     """Measure every attention head of `model` on `batches` (module docstring).
 
     batches: token ids [B, T + 1] (inputs [:, :-1], targets [:, 1:]) or (x, y) pairs, or
@@ -60,20 +61,31 @@ def diagnose(model: nn.Module, batches: Iterable, *, loss_fn: Callable | None = 
       fused kernel's FP32 scores, taken as exact).
     reference: optional (q, k, v, *, attn_mask, is_causal, scale) -> O_ref to measure the
       δ error against instead of FP64 attention (a kernel's own FP32 O, say).
+    layers: indices of the sites to measure, in discovery order (None: all); the
+      backward then stops at the first of them.
     Returns a JSON-ready dict: settings and "heads", one record per head, ranked.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_float("tau", tau, above=0, hint="a max logit, e.g. 100")
     check_float("eps", eps, min=0, finite=False, hint="e.g. 1e-3")  # inf: every row tied
-    found = find_sites(model, sites)
+    found = list(enumerate(find_sites(model, sites)))
+    if layers is not None:
+        layers = sorted(set(layers))
+        bad = [i for i in layers if not (isinstance(i, int) and 0 <= i < len(found))]
+        if bad or not layers:
+            raise ValueError(f"layers={bad or layers}: the model has {len(found)} attention "
+                             f"layers; pass indices 0..{len(found) - 1}")
+        found = [found[i] for i in layers]
+    index = [i for i, _ in found]
+    found = [s for _, s in found]
     for s in found:
         if s.q_module is None or getattr(s.q_module, "weight", None) is None:
             raise ValueError(f"site {s.name!r} has no Q projection with a weight; diagnose "
                              "needs X and dW^Q: give the site a q_module (find_sites docs)")
     loss_fn = default_loss if loss_fn is None else loss_fn
     device = next(model.parameters()).device
-    sums = [Sums(s, i) for i, s in enumerate(found)]
+    sums = [Sums(s, i) for i, s in zip(index, found, strict=True)]
     start, n = time.perf_counter(), 0
     total = len(batches) if hasattr(batches, "__len__") else None
     shown = Progress(name, total, len(found)) if progress else None
@@ -170,6 +182,7 @@ class Sums:
                 else (math.inf if e[:, h].mean() > 0 else 0.0),
                 delta_coherence=_f(coh[h]), sign_z=_f(z[h]), sign_agreement=_f(agree[h]),
                 delta_abs_mean=_f(self.c_abs[h] / max(1.0, float(self.rows[h]))),
+                delta_sum=_f(S[:, h].sum()),
                 wq_sigma=_f(sigma[h]), wq_ratio=_f(sigma[h] / med) if med > 0 else 1.0,
                 wq_grad_ratio=_f(grad[h] / grad_med) if grad_med > 0 else 1.0,
                 qk_clip_eta=_f(eta[h]), grad_path="exact" if self.linear else "autograd"))

@@ -1,12 +1,18 @@
 """What `flashwatch diagnose` reads: checkpoints and token data.
 
-Checkpoints (`load_model`):
-  a directory with config.json   a Hugging Face causal LM, `from_pretrained` with
-                                 local_files_only=True and attn_implementation="sdpa"
-  a file (ckpt.pt)               nanoGPT's format: {"model_args": {...}, "model": state
-                                 dict} (torch.compile's "_orig_mod." prefixes allowed),
-                                 built as flashwatch/nanogpt.py's GPT (nanoGPT's module names)
-  module:function                an importable function returning the model
+Checkpoints (`load_checkpoint`):
+  a directory with config.json   a Hugging Face model, the class it was saved as
+                                 (flashwatch/diagnosis/hf.py), local_files_only=True,
+                                 attn_implementation="sdpa"; sharded safetensors included
+  nanoGPT ckpt.pt                {"model_args": {...}, "model": state dict}, built as
+                                 flashwatch/nanogpt.py's GPT (nanoGPT's module names)
+  other state dicts              a file (bare, under "model"/"state_dict"/"module", a
+                                 Lightning .ckpt), a torch.distributed.checkpoint folder
+                                 or a safetensors folder, loaded into the model `builder`
+                                 makes (flashwatch/diagnosis/checkpoints.py)
+  module:function                an importable function returning the model (the current
+                                 directory is searched first, as `python -c` would)
+builder: `module:function` or a Hugging Face config (a folder or its config.json).
 Data (`load_tokens`): nanoGPT's .bin (uint16 memmap), .npy, .pt (a tensor of token ids,
 1-D stream or 2-D rows), or any other file as UTF-8 text, tokenized with the
 checkpoint's tokenizer (Hugging Face directories) or as bytes (vocabularies ≤ 256).
@@ -14,78 +20,121 @@ checkpoint's tokenizer (Hugging Face directories) or as bytes (vocabularies ≤ 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
+import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from flashwatch._checks import missing_extra
+from flashwatch.diagnosis import checkpoints, hf
 
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size", "dropout",
                 "position_embedding")
 
 
-def load_model(spec: str, device: str | torch.device = "cpu") -> nn.Module:
+@dataclasses.dataclass
+class Loaded:
+    """A checkpoint, ready to measure."""
+
+    model: nn.Module
+    kind: str  # what was read: "nanoGPT ckpt.pt", "Lightning .ckpt", ...
+    loss_fn: Callable | None = None  # None: diagnose's default next-token loss
+    objective: str = "next-token cross-entropy"
+
+    def describe(self) -> dict:
+        return dict(checkpoint_kind=self.kind, model_class=type(self.model).__name__,
+                    objective=self.objective)
+
+
+def load_checkpoint(spec: str, device: str | torch.device = "cpu",
+                    builder: str | None = None) -> Loaded:
     """The model a CHECKPOINT argument names (module docstring), on `device`."""
     path = Path(spec)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"checkpoint {spec!r} is a directory without config.json; "
-                             "pass a Hugging Face model directory (save_pretrained)")
-        auto = _transformers().AutoModelForCausalLM
-        model = auto.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
-    elif path.is_file():
-        model = _nanogpt(path)
-    elif ":" in spec:
-        model = _from_function(spec)
+    if not path.exists() and ":" in spec and not spec.startswith(("/", ".")):
+        got = Loaded(_from_function(spec), "module:function")
     else:
-        raise ValueError(f"checkpoint {spec!r} is neither a directory, a file nor "
-                         "module:function; pass a Hugging Face directory, a nanoGPT "
-                         "ckpt.pt or e.g. mypkg.models:build")
-    return model.to(device)
+        got = _from_path(path, builder)
+    if got.loss_fn is None and type(got.model).__module__.startswith("transformers."):
+        got.loss_fn, got.objective = hf.objective(got.model, path if path.is_dir() else None)
+    got.model = got.model.to(device)
+    return got
 
 
-def _transformers():
-    """transformers, an extra: only Hugging Face checkpoints need it."""
-    try:
-        import transformers
-    except ImportError as e:
-        raise missing_extra("transformers", "transformers", "flashwatch diagnose") from e
-    return transformers
+def load_model(spec: str, device: str | torch.device = "cpu",
+               builder: str | None = None) -> nn.Module:
+    """The model alone (`load_checkpoint`)."""
+    return load_checkpoint(spec, device, builder).model
 
 
-def _nanogpt(path: Path) -> nn.Module:
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    if not (isinstance(ckpt, dict) and isinstance(ckpt.get("model_args"), dict)
-            and isinstance(ckpt.get("model"), dict)):
-        keys = list(ckpt)[:8] if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise ValueError(f"{path} is not a nanoGPT checkpoint (a dict with 'model_args' and "
-                         f"'model'; found {keys}); for other formats pass module:function "
-                         "returning the model")
+def _from_path(path: Path, builder: str | None) -> Loaded:
+    kind = checkpoints.kind_of(path)
+    if kind == "hf" and builder is None:
+        return Loaded(hf.load_folder(path), f"Hugging Face folder ({_shards(path)})")
+    if kind == "file":
+        state, what, args = checkpoints.read_file(path)
+        if args is not None and builder is None:
+            return Loaded(_nanogpt(state, args), what)
+        model = _build(builder, path, what)
+        checkpoints.load_into(model, state, str(path))
+        return Loaded(model, what)
+    if kind == "hf":
+        kind = "safetensors"  # a folder with its config, read into the builder's model
+    model = _build(builder, path, "a torch.distributed.checkpoint folder" if kind == "dcp"
+                   else "a safetensors folder")
+    what = checkpoints.read_dcp(model, path) if kind == "dcp" else \
+        checkpoints.read_safetensors(model, path)
+    return Loaded(model, what)
+
+
+def _shards(path: Path) -> str:
+    n = len(list(path.glob("*.safetensors"))) or len(list(path.glob("*.bin")))
+    return f"{n} weight file{'s' * (n != 1)}"
+
+
+def _build(builder: str | None, path: Path, what: str) -> nn.Module:
+    """The empty model a state dict loads into."""
+    if builder is None:
+        raise ValueError(f"{path} is {what}; it needs the model to load into: pass --model "
+                         "module:function (returning the model) or --model <Hugging Face "
+                         "config folder>")
+    b = Path(builder)
+    if b.is_dir() or b.name == "config.json":
+        return hf.build_from_config(b if b.is_dir() else b.parent)
+    return _from_function(builder)
+
+
+def _nanogpt(state: dict, model_args: dict) -> nn.Module:
     from flashwatch.nanogpt import GPT, GPTConfig
-    args = {k: v for k, v in ckpt["model_args"].items() if k in NANOGPT_ARGS}
+    args = {k: v for k, v in model_args.items() if k in NANOGPT_ARGS}
     model = GPT(GPTConfig(**args))
-    state = {k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()}
-    own = model.state_dict()
-    state = {k: v for k, v in state.items() if k in own or not k.endswith(".attn.bias")}
-    model.load_state_dict(state)  # nanoGPT's causal-mask buffer (attn.bias) is dropped
+    checkpoints.load_into(model, state, "nanoGPT ckpt.pt")  # attn.bias (a mask): dropped
     return model
 
 
 def _from_function(spec: str) -> nn.Module:
     module_name, _, fn_name = spec.partition(":")
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:  # `flashwatch diagnose mymodel:build` finds ./mymodel.py, as `python -c` would
+        sys.path.insert(0, cwd)
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"checkpoint {spec!r}: cannot import {fn_name!r} from "
-                         f"{module_name!r} ({e})") from e
+        raise ValueError(f"{spec!r}: cannot import {fn_name!r} from {module_name!r} ({e}); "
+                         "module:function is searched in the current directory and "
+                         "sys.path") from e
+    finally:
+        if added:
+            sys.path.remove(cwd)
     model = fn()
     if not isinstance(model, nn.Module):
-        raise TypeError(f"checkpoint {spec!r} returned {type(model).__name__}, expected "
-                        "a torch.nn.Module")
+        raise TypeError(f"{spec!r} returned {type(model).__name__}, expected a "
+                        "torch.nn.Module")
     return model
 
 
@@ -130,7 +179,8 @@ def load_tokens(data: str | Path, checkpoint: str | None = None,
 def _tokenize(text: str, checkpoint: str | None, model: nn.Module | None) -> torch.Tensor:
     if checkpoint is not None and Path(checkpoint).is_dir() and \
             (Path(checkpoint) / "tokenizer_config.json").is_file():
-        tok = _transformers().AutoTokenizer.from_pretrained(checkpoint, local_files_only=True)
+        auto = hf.transformers_module().AutoTokenizer
+        tok = auto.from_pretrained(checkpoint, local_files_only=True)
         return torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if isinstance(vocab, int) and vocab >= 256:
@@ -169,9 +219,6 @@ def _ids(a) -> torch.Tensor:
 
 
 def describe(spec: str) -> str:
-    """A short label for a checkpoint (its step when a nanoGPT file says it)."""
+    """A short label for a checkpoint: its file or folder name."""
     path = Path(spec)
-    if path.is_dir() and (path / "config.json").is_file():
-        arch = json.loads((path / "config.json").read_text()).get("architectures", ["hf"])
-        return f"{path.name} ({arch[0]})"
     return path.name if path.exists() else spec

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels.common import no_autocast
+from flashwatch.monitor.traced import autocast_qkv
 from flashwatch.sites.site import AttentionSite
 
 SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -127,10 +128,15 @@ class Capture(TorchFunctionMode):
             raise RuntimeError(f"layer {site.name!r}: no gradient reaches its attention "
                                "output, so dO and the δ error cannot be measured; call "
                                "diagnose outside torch.no_grad() / inference_mode()")
+        linear = self._is_linear(i, q)
+        # What the kernel computes with: under autocast SDPA receives q, k, v rounded to
+        # the autocast dtype (rotary models pass FP32 q, k); the watcher's probe rounds
+        # them with the same function, so both measure the arithmetic training ran.
+        q, k, v = autocast_qkv(q, k, v)
         call = dict(q=q, k=k, v=v, o=o.detach(), x=self.x.get(i), mask=extra.get("attn_mask"),
                     causal=bool(extra.get("is_causal", False)),
                     scale=extra.get("scale") or 1.0 / math.sqrt(q.shape[-1]),
-                    linear=self._is_linear(i, q))
+                    linear=linear)
         self.pending += 1
 
         def on_grad(do):

@@ -12,9 +12,18 @@ Verdicts, in rank order (the first that applies):
   logit-growth   max logit above τ, or W^Q large/growing as above, with a small δ error:
                  plain logit growth, QK-clip's case
   ok             none of these
-Within a verdict heads are ordered by delta_share (0 where the gradient is under GRAD_MIN:
-a head whose ‖dW^Q‖ is 1e-4 of its layer's others ranked first on a pretrained 135M model
-at a share of 20.5 %, issue 37), then max_logit. The raw share stays in the record.
+Within a verdict, across checkpoints, growth and ties order first (`order_key`):
+  1. "tied and growing": ties ≥ TIE_MIN and W^Q σ growing ≥ WQ_RATIO_MIN × as fast as the
+     layer's median head: the paper's precondition forming; by that growth
+  2. "growing": W^Q σ or max logit growing ≥ WQ_RATIO_MIN × the layer median's growth;
+     by the larger of the two
+  3. then delta_share (0 where the gradient is under GRAD_MIN: a head whose ‖dW^Q‖ is
+     1e-4 of its layer's others ranked first on a pretrained 135M model at a share of
+     20.5 %, issue 37), then max_logit.
+A growth ratio whose denominator is negligible (the head's first W^Q σ or max logit under
+GRAD_MIN × its layer's median head) is not a signal, as a share of a negligible gradient
+is not: a head grown from almost nothing never ranks first by growth. The evidence line
+says which rule ordered the head; the raw numbers stay in the record.
 """
 
 from __future__ import annotations
@@ -30,21 +39,67 @@ VERDICTS = ("paper-failure", "delta-error", "logit-growth", "ok")
 
 
 def rank(heads: list[dict], batches: int, tau: float, growth: dict | None = None) -> list[dict]:
-    """Set verdict, evidence, recommendation and rank (1 = worst) on each head record;
-    returns them worst first. growth: {(layer, head): {"wq_sigma": ratio, ...}}."""
-    med_growth = _layer_medians(heads, growth)
+    """Set verdict, evidence, recommendation, order rule and rank (1 = worst) on each head
+    record; returns them worst first. growth: {(layer, head): {"wq_sigma": ratio,
+    "max_logit": ratio, "series": {...}}} from `growth`."""
+    rel = relative_growth(heads, growth or {})
     for h in heads:
-        g = (growth or {}).get((h["layer"], h["head"]))
-        rel = g["wq_sigma"] / med_growth[h["layer"]] if g and med_growth[h["layer"]] > 0 \
-            else None
-        verdict, evidence = classify(h, batches, tau, rel)
-        h.update(verdict=verdict, evidence=evidence, recommendation=recommend(h, verdict, tau),
-                 wq_growth_vs_layer=rel)
-    out = sorted(heads, key=lambda h: (VERDICTS.index(h["verdict"]), -_signal_share(h),
-                                       -_num(h["max_logit"])))
+        wq_rel, logit_rel = rel.get((h["layer"], h["head"]), (None, None))
+        verdict, evidence = classify(h, batches, tau, wq_rel)
+        h.update(verdict=verdict, recommendation=recommend(h, verdict, tau),
+                 wq_growth_vs_layer=wq_rel, logit_growth_vs_layer=logit_rel)
+        h["order_rule"], _ = order_key(h)
+        h["evidence"] = evidence + _growth_evidence(h) + f"; ordered by {h['order_rule']}"
+    out = sorted(heads, key=lambda h: (VERDICTS.index(h["verdict"]), *order_key(h)[1]))
     for i, h in enumerate(out):
         h["rank"] = i + 1
     return out
+
+
+def order_key(h: dict) -> tuple[str, tuple]:
+    """(the rule that orders the head within its verdict, its sort key: smaller first)."""
+    wq, logit = h.get("wq_growth_vs_layer"), h.get("logit_growth_vs_layer")
+    grow = max(wq or 0.0, logit or 0.0)
+    rest = (-_signal_share(h), -_num(h["max_logit"]))
+    if h["tied_ratio"] >= TIE_MIN and (wq or 0.0) >= WQ_RATIO_MIN:
+        return (f"tied and growing (ties ≥ {TIE_MIN:.0%}, W^Q σ growth {wq:.2f}× the layer "
+                "median's)", (0, -wq, *rest))
+    if grow >= WQ_RATIO_MIN:
+        return (f"growth ({grow:.2f}× the layer median's)", (1, -grow, *rest))
+    if _signal_share(h) > 0:
+        return "δ share, then max logit", (2, 0.0, *rest)
+    return "max logit", (2, 0.0, *rest)
+
+
+def relative_growth(heads: list[dict], growth: dict) -> dict:
+    """{(layer, head): (W^Q σ growth, max logit growth)}, each over its layer's median head,
+    None where the head's first value is under GRAD_MIN × the layer's median first value
+    (a ratio of a negligible denominator) or there is no growth."""
+    out: dict = {}
+    for key in ("wq_sigma", "max_logit"):
+        by_layer: dict = {}
+        for h in heads:
+            g = growth.get((h["layer"], h["head"]))
+            if g is not None:
+                by_layer.setdefault(h["layer"], []).append((h["head"], g))
+        for layer, gs in by_layer.items():
+            med_first = _median([g["series"][key][0] for _, g in gs])
+            ok = {head: med_first > 0 and math.isfinite(g[key])
+                  and g["series"][key][0] >= GRAD_MIN * med_first for head, g in gs}
+            med = _median([g[key] for head, g in gs if ok[head]])  # signals only
+            for head, g in gs:
+                out.setdefault((layer, head), [None, None])[key == "max_logit"] = \
+                    g[key] / med if ok[head] and med > 0 else None
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def _median(v: list[float]) -> float:
+    return sorted(v)[len(v) // 2] if v else 0.0
+
+
+def _growth_evidence(h: dict) -> str:
+    logit = h.get("logit_growth_vs_layer")
+    return "" if logit is None else f"; max logit grew {logit:.2f}× the median head"
 
 
 def _grad_signal(h: dict) -> bool:
@@ -125,16 +180,6 @@ def growth(results: list[dict]) -> dict:
         out[key] = dict(series=s, **{k: _ratio(s[k][-1], s[k][0])
                                      for k in ("wq_sigma", "max_logit", "delta_share")})
     return out
-
-
-def _layer_medians(heads: list[dict], growth: dict | None) -> dict:
-    by_layer: dict = {}
-    for h in heads:
-        g = (growth or {}).get((h["layer"], h["head"]))
-        if g is not None:
-            by_layer.setdefault(h["layer"], []).append(g["wq_sigma"])
-    med = {layer: sorted(v)[len(v) // 2] for layer, v in by_layer.items()}
-    return {h["layer"]: med.get(h["layer"], 0.0) for h in heads}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -65,3 +65,53 @@ def test_share_of_a_negligible_gradient_cannot_rank_first():
     assert h0["delta_share"] == 0.205
     assert "δ error 20.5% of dW^Q (not a signal: ‖dW^Q‖ 0.0001× the layer median < 0.1)" in \
         h0["evidence"]
+
+
+def _pair(h, first: dict, last: dict):
+    return _record(h, **first), _record(h, **last)
+
+
+def test_a_tied_head_growing_fastest_outranks_a_large_static_one():
+    """Issue 38's planted pair: head 1 with 97 % tied rows whose W^Q grew 4× (max logit
+    7.5 → 30), head 2 a distractor with a static W^Q 16× its layer median (max logit 39,
+    ties 1 %). Ordered by δ share then max logit (before), the distractor came first."""
+    from flashwatch.diagnosis.rank import growth, rank
+
+    pairs = [_pair(0, {}, {}),
+             _pair(1, dict(tied_ratio=0.97, max_logit=7.5),
+                   dict(tied_ratio=0.97, wq_sigma=4.0, wq_ratio=4.0, max_logit=30.0)),
+             _pair(2, dict(wq_sigma=16.0, wq_ratio=16.0, max_logit=39.0, tied_ratio=0.01),
+                   dict(wq_sigma=16.0, wq_ratio=16.0, max_logit=39.0, tied_ratio=0.01)),
+             _pair(3, {}, {})]
+    old, new = dict(heads=[p[0] for p in pairs]), dict(heads=[p[1] for p in pairs])
+    out = rank(new["heads"], 16, 100.0, growth([old, new]))
+    assert [h["head"] for h in out[:2]] == [1, 2]
+    assert out[0]["verdict"] == out[1]["verdict"] == "logit-growth"
+    assert out[0]["wq_growth_vs_layer"] == pytest.approx(4.0)  # 4 / median 1
+    assert out[0]["logit_growth_vs_layer"] == pytest.approx(4.0)  # 30 / 7.5 over median 1
+    assert "ordered by tied and growing (ties ≥ 2%, W^Q σ growth 4.00× the layer median's)" \
+        in out[0]["evidence"]
+    assert out[1]["order_rule"] == "δ share, then max logit"
+    # Without ties it is still growth that orders it, by its own rule
+    for h in (old, new):
+        h["heads"][1]["tied_ratio"] = 0.0
+    out = rank(new["heads"], 16, 100.0, growth([old, new]))
+    assert out[0]["head"] == 1 and out[0]["order_rule"] == "growth (4.00× the layer median's)"
+
+
+def test_growth_from_a_negligible_start_never_ranks_first():
+    """A head whose W^Q σ (or max logit) started at 1e-4 of its layer's grows 1000× by
+    noise: as a share of a negligible gradient, the ratio is no signal."""
+    from flashwatch.diagnosis.rank import growth, rank
+
+    pairs = [_pair(0, dict(wq_sigma=1e-4, max_logit=1e-3, tied_ratio=0.5),
+                   dict(wq_sigma=0.1, max_logit=1.0, tied_ratio=0.5)),
+             _pair(1, dict(tied_ratio=0.05), dict(tied_ratio=0.05, wq_sigma=2.5,
+                                                  max_logit=12.5)),
+             _pair(2, {}, {}), _pair(3, {}, {})]
+    old, new = dict(heads=[p[0] for p in pairs]), dict(heads=[p[1] for p in pairs])
+    out = rank(new["heads"], 16, 100.0, growth([old, new]))
+    assert out[0]["head"] == 1 and out[0]["order_rule"].startswith("tied and growing")
+    (h0,) = [h for h in out if h["head"] == 0]
+    assert h0["wq_growth_vs_layer"] is None and h0["logit_growth_vs_layer"] is None
+    assert h0["verdict"] == "ok"
