@@ -167,9 +167,11 @@ class Sums:
         agree = torch.maximum((S > 0).double().mean(0), (S < 0).double().mean(0))
         coh = self.E_sum.flatten(1).norm(dim=1) / e.sum(0).clamp_min(1e-300)
         sigma = torch.linalg.matrix_norm(site.wq().double().cpu(), ord=2)
-        med = sigma.median()
+        # the true median: the mean of the two middle heads when H is even (torch.median
+        # takes the lower one: 2.095 vs 2.041 on a 12-head layer)
+        med = sigma.quantile(0.5)
         grad = g.mean(0)  # mean_b ‖dW^Q_b‖ per head
-        grad_med = grad.median()
+        grad_med = grad.quantile(0.5)
         eta = clip_factors(self.max_logit, tau)
         out = []
         for h in range(site.num_heads):

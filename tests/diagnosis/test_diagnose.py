@@ -297,3 +297,20 @@ def test_progress_on_a_terminal_rewrites_one_line(monkeypatch):
     assert "0/2 batches done" in updates[0] and f"layer 1/{n_layers} of batch 1" in updates[0]
     assert "2/2 batches done" in updates[-1] and "layer" not in updates[-1]
     assert not any(c in "".join(updates) for c in (".25", ".50", ".75")), updates
+
+
+def test_wq_ratio_divides_by_the_true_median_of_an_even_head_count():
+    """4 heads: the median is the mean of the two middle W^Q σ (torch.median would take
+    the lower one). Head σ set to 1, 2, 4, 8 × layer 0's: median 3, not 2."""
+    model = tiny_gpt(seed=5)
+    with torch.no_grad():
+        w = model.transformer.h[0].attn.c_attn.weight
+        for h, f in enumerate((1.0, 2.0, 4.0, 8.0)):
+            w[8 * h:8 * (h + 1)] *= f
+    res = diagnose(model, id_batches(16, n=1, B=2, T=16), progress=False)
+    heads = [h for h in res["heads"] if h["layer"] == "transformer.h.0.attn"]
+    sigma = torch.linalg.matrix_norm(
+        model.transformer.h[0].attn.c_attn.weight[:32].double().view(4, 8, 32), ord=2)
+    median = float(sigma.sort().values[1:3].mean())
+    for h in heads:
+        assert h["wq_ratio"] == pytest.approx(float(sigma[h["head"]]) / median, rel=1e-6)
