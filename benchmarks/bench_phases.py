@@ -43,7 +43,7 @@ def time_parts() -> dict:
     from flashwatch.mitigation import policy
     from flashwatch.monitor import capture as C
     from flashwatch.monitor import monitored_step as M
-    from flashwatch.monitor import probe
+    from flashwatch.monitor import probe, samples
     from flashwatch.parallel import reduce
     from flashwatch.signals import drift as signals
 
@@ -78,7 +78,7 @@ def time_parts() -> dict:
     for owner, attr, name in (
             (C.Recorder, "_probe", "probe (forward)"), (probe, "recompute", "  recompute"),
             (None, None, "gradient hook (c)"),
-            (probe, "totals", "probe.totals (backward and step())"),
+            (samples, "totals", "samples.totals (backward and step())"),
             (C, "wq_grad_sq", "‖dW^Q‖² hook (backward)"), (W.Watcher, "step", "step()"),
             (M.StepPipeline, "run", "  StepPipeline.run"),
             (M, "spectral_norms", "    W^Q spectral norms"),

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels.common import no_autocast
+from flashwatch.monitor.probe import MASKED  # additive masks at or below it hide a key
 from flashwatch.monitor.traced import autocast_qkv
 from flashwatch.sites.site import AttentionSite
 
@@ -35,7 +36,6 @@ SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 # matrices per head: products, scores, weights, masks): GPT-2 Small (T = S = 1,024)
 # runs 3 heads at a time, ≈ 120 MiB.
 CHUNK_BYTES = 128 << 20
-MASKED = -1e30  # additive mask entries at or below this hide the key (HF: finfo.min)
 
 
 class LayerBatch:

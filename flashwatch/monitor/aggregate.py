@@ -73,7 +73,7 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
            sigma: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
     """The step's raw buffers over all layers, as named lists of pieces (one per layer,
     or one for all) left where they are, device or host: nothing here moves data.
-    totals: probe.totals of the step; sigma: each layer's W^Q spectral norms [H] (NaN
+    totals: samples.totals of the step; sigma: each layer's W^Q spectral norms [H] (NaN
     where unknown)."""
     none = [torch.zeros(0, dtype=torch.float64)]  # a rank that holds no layer
 
@@ -127,7 +127,7 @@ def to_host(pieces: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
             for k, parts in pieces.items()}
 
 
-# probe.totals' keys in `gather`'s output: kept over the whole head table by the probe
+# samples.totals' keys in `gather`'s output: kept over the whole head table by the probe
 PROBE_TOTALS = tuple(f"probe_{k}" for k in ("tied", "rows", "row_max", "G", "delta_sum",
                                              "delta_sq", "share_num"))
 # Fills of the heads a rank does not hold (another pipeline stage's): nothing to add or

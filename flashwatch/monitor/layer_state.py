@@ -38,7 +38,7 @@ class StepBuffers:
     stats: AttentionStats  # exact counters of routed calls
     wq_grad_sq: torch.Tensor  # [H] float64 ‖dW^Q_h‖²_F of the step's gradient (NaN: none)
     kernel_counted: bool = False  # the current routed call's rows are in `stats`
-    samples: list = field(default_factory=list)  # probe.Sample of each probed call
+    samples: list = field(default_factory=list)  # samples.Sample of each probed call
     probe_rows: int = 0
     grad_rows: int = 0  # sampled rows whose gradient arrived
     # rows c covered, rows it missed (sampled calls), sampled rows with X (no X: no share)
@@ -102,7 +102,7 @@ class LayerState:
     omega_x: torch.Tensor  # [d_model, k]
     omega_a: torch.Tensor  # [d_head, k]
     omega_q: torch.Tensor  # [d_head, k], for q-space terms when X is not available
-    heads: torch.Tensor  # [H] int64: offset + arange(H), for probe.totals
+    heads: torch.Tensor  # [H] int64: offset + arange(H), for samples.totals
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
     unmitigable: str | None = None  # why its modes could not be applied, last known
     shadowed: bool = False  # an instance attribute `forward` hides the wrapper

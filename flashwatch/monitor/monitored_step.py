@@ -30,7 +30,7 @@ from flashwatch.kernels.common import Mode
 from flashwatch.mitigation import qkclip
 from flashwatch.mitigation.policy import Decision, Policy
 from flashwatch.mitigation.qkclip import QKClip
-from flashwatch.monitor import aggregate, probe
+from flashwatch.monitor import aggregate, samples
 from flashwatch.monitor.agreement import Agreement
 from flashwatch.monitor.capture import Recorder
 from flashwatch.monitor.head_modes import HeadModes
@@ -189,11 +189,11 @@ class StepPipeline:
 
     def _step_buffers(self) -> tuple[list, dict]:
         """The layers' buffers and the probe totals of every call not reduced yet, where
-        they were accumulated (flashwatch/monitor/probe.py, flashwatch/monitor/aggregate.py)."""
+        they were accumulated (flashwatch/monitor/samples.py, flashwatch/monitor/aggregate.py)."""
         rest = [smp for st in self.states for smp in st.buf.samples]
         device = (self.recorder.totals["G"].device if self.recorder.totals is not None
                   else rest[0].o32.device if rest else "cpu")
-        tot = probe.totals(rest, len(self.heads), self.config.sketch_dim, self.recorder.totals,
+        tot = samples.totals(rest, len(self.heads), self.config.sketch_dim, self.recorder.totals,
                            device=device)
         layers = [aggregate.LayerBuffers(
             num_heads=st.site.num_heads,

@@ -14,7 +14,7 @@ import torch
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode, no_autocast
-from flashwatch.monitor import probe
+from flashwatch.monitor import probe, samples
 from flashwatch.monitor.attach import recomputing
 from flashwatch.monitor.layer_state import LayerState, to_device
 from flashwatch.monitor.ledger import ErrorLedger
@@ -36,7 +36,7 @@ class EveryRow:
 class ProbedCall:
     """One probed call, kept for its gradient (`ProbeRecorder._grad_hook`)."""
 
-    sample: probe.Sample
+    sample: samples.Sample
     every_row: EveryRow | None  # None: c on the sampled rows only, against the probe's O
     rows: int  # B·Nq, rows of the call
 
@@ -52,9 +52,9 @@ class ProbeRecorder:
         # None: this rank's layers are all of it
         self.n_heads = sum(st.site.num_heads for st in states) if n_heads is None else n_heads
         self.gen = torch.Generator().manual_seed(config.seed)
-        # probe.totals of the step's samples reduced so far (`_sample_done`), and how many
+        # samples.totals of the step's samples reduced so far (`_sample_done`), and how many
         # samples got their c since
-        self.totals: probe.Totals | None = None
+        self.totals: samples.Totals | None = None
         self.samples_done = 0
         self.traced_ids = itertools.count()  # ids of the probed calls in compiled code
         self.tokens = Tokens(self.warn_once)  # real query rows and the forward's masks
@@ -166,7 +166,7 @@ class ProbeRecorder:
                                      valid=None if valid is None else valid.mask)
             xr, qr = self._rows_in(st, x, q, rows)
             weight = None if valid is None else probe.take(valid.mask, rows, 1)
-        sample = probe.Sample(
+        sample = samples.Sample(
             heads=consts.heads, rows_at=rows, tied=rec.tied, row_max=rec.row_max,
             rows=0 if counted else rec.visible if rec.visible is not None else (
                 B * Nq if valid is None else valid.count),
@@ -215,7 +215,7 @@ class ProbeRecorder:
         """c[T] of the sampled rows while dO is at hand: against the kernel's own O_fp32
         where flashwatch's kernel ran (`every_row`, which also gives c on every row),
         else against the probe's FP32 recomputation. The sketch and the sums follow in
-        probe.totals, for a micro-batch's calls at once (`_sample_done`)."""
+        samples.totals, for a micro-batch's calls at once (`_sample_done`)."""
         def hook(grad):
             if self.cadence.removed:
                 return None
@@ -242,7 +242,7 @@ class ProbeRecorder:
                         sums = torch.stack([c_all.sum((0, 2)), c_all.square().sum((0, 2))])
                         st.buf.delta_rows += c_all.shape[0] * c_all.shape[2]
                         g = None
-                    else:  # c follows in probe.totals, with the other layers' rows
+                    else:  # c follows in samples.totals, with the other layers' rows
                         c, sums, g = None, None, probe.take(grad, s.rows_at, 2)
                         st.buf.delta_rows += R
                         st.buf.delta_missed += call.rows - R
@@ -280,7 +280,7 @@ class ProbeRecorder:
         done = [s for st in self.states for s in st.buf.samples if s.has_grad]
         # Into a copy: if the reduction fails, the samples stay for step() to reduce.
         acc = None if self.totals is None else self.totals.copy()
-        self.totals = probe.totals(done, self.n_heads, self.config.sketch_dim, acc,
+        self.totals = samples.totals(done, self.n_heads, self.config.sketch_dim, acc,
                                     device=done[0].o32.device if done else "cpu")
         for st in self.states:
             st.buf.samples = [s for s in st.buf.samples if not s.has_grad]

@@ -5,7 +5,7 @@
   watched layer over a never-watched model's forward and backward: the growth from 4 to
   12 layers, divided by 8;
 - plus what does not grow with layers: the micro-batch's reduction of every layer's
-  samples at once (probe.totals) and watcher.step(), at most 160 ops together (140 when
+  samples at once (samples.totals) and watcher.step(), at most 160 ops together (140 when
   the budget was set: 5 forward, 60 totals, 75 step());
 - watcher.step() itself grows by at most 1 op per layer (0 when the budget was set: each
   per-layer quantity is joined with one cat per run of layers on one device);

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from flashwatch.monitor import probe
+from flashwatch.monitor import probe, samples
 from flashwatch.signals import smallops
 from oracle import causal_mask, grads_given_delta, math_attention
 
@@ -220,7 +220,7 @@ def test_delta_error_equals_an_fp64_computation():
     elems, tq = probe.sample_rows(g, B, N, 40)
     b, t = probe.flat(elems, tq)
     o32, _, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=scale, eps=1e-3)
-    c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
+    c = samples.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     want = _rows(c64.unsqueeze(-1), b, t)[..., 0]
     assert c.dtype == torch.float64
     assert want.abs().max() > 1e-3  # the bf16 error is really there
@@ -252,10 +252,10 @@ def test_sketch_is_the_projected_wq_gradient_error():
     elems, tq = probe.sample_rows(g, B, N, B * N)  # every row
     b, t = probe.flat(elems, tq)
     o32, pk, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=alpha, eps=1e-3)
-    c = probe.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
+    c = samples.delta_error(_rows(do, b, t), _rows(o_lp, b, t).float(), o32)
     z = X[b, t].double() @ om_x
     y = pk.double() @ om_a
-    G = probe.sketch(c, z, y)
+    G = samples.sketch(c, z, y)
     assert want.abs().max() > 1e-4
     rel = ((alpha * G - want).abs().max() / want.abs().max()).item()
     assert rel < 1e-3, rel

@@ -19,7 +19,7 @@ from _helpers import (
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
 from flashwatch import Mode
-from flashwatch.monitor import probe
+from flashwatch.monitor import samples
 from oracle import math_attention
 from standins import TiedAttention
 
@@ -100,7 +100,7 @@ def test_samples_of_many_micro_batches_are_reduced_as_they_complete(route_all):
         held.append(sum(len(st.buf.samples) for st in w.layer_states))
     assert len(seen) == 2 * 8 and all(s.has_grad for s in seen)  # 2 layers
     assert held == [0] * 8
-    at_once = probe.totals(seen, w.recorder.n_heads, w.config.sketch_dim)
+    at_once = samples.totals(seen, w.recorder.n_heads, w.config.sketch_dim)
     for key, want in at_once.items():
         assert torch.allclose(w.recorder.totals[key], want, rtol=1e-9, atol=1e-15), key
     report = w.step()
