@@ -121,12 +121,12 @@ def _arm_target(scenario, rank, computed):
     """(restore, arms_at_fault_step) for the scenario on this rank; `computed` collects
     what the healthy rank computed, where a scenario records it."""
     import flashwatch.mitigation.qkclip as fqk
-    import flashwatch.monitor.probe as fprobe
+    import flashwatch.monitor.samples as fsamples
     import flashwatch.parallel.reduce as freduce
     import flashwatch.parallel.sharding as fdist
     from flashwatch.mitigation.policy import Policy
 
-    targets = {"probe_totals": (fprobe, "totals"), "spectral_plain": (fdist, "gram_norm"),
+    targets = {"probe_totals": (fsamples, "totals"), "spectral_plain": (fdist, "gram_norm"),
                "spectral_sharded": (fdist, "local_power_step"),
                "reduction": (freduce, "_pack"), "policy": (Policy, "decide"),
                "qk_clip": (fqk, "clip_factors")}
