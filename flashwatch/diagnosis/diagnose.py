@@ -264,10 +264,12 @@ class Progress:
     """Batches measured, on stderr. A terminal gets one line rewritten in place (`\\r`) as
     each layer is measured; a log file or pipe (not a TTY) gets whole lines, one when a
     batch ends at least `interval` s after the last line and one at the end, so a log
-    holds no carriage returns and a few lines an hour (a 1B model's batch takes ~10 s on
-    CPU). Counts are whole batches; a terminal also shows the layer within the next one."""
+    holds no carriage returns and a few lines an hour, plus a line within a batch that
+    runs past `layer_interval`. Counts are whole batches; a terminal also shows the layer
+    within the next one."""
 
     interval = 60.0  # s between log-file lines
+    layer_interval = 300.0  # s without a line before one within a batch
 
     def __init__(self, name: str, total: int | None, layers: int, stream=None):
         self.stream = sys.stderr if stream is None else stream
@@ -284,10 +286,16 @@ class Progress:
                 f"{time.perf_counter() - self.start:.1f} s")
 
     def layer(self, batches: int, layers: int) -> None:
-        """`layers` of the batch after `batches` are measured: terminals only."""
+        """`layers` of the batch after `batches` are measured: rewritten on a terminal; in
+        a log, a whole line when a batch runs `layer_interval` s past the last line (a 1B
+        model's batch of 1,024 tokens takes minutes on CPU)."""
+        line = f"{self._text(batches)}, layer {layers}/{self.layers} of batch {batches + 1}"
+        now = time.perf_counter()
         if self.tty:
-            print(f"\r{self._text(batches)}, layer {layers}/{self.layers} of batch "
-                  f"{batches + 1}", end="", file=self.stream, flush=True)
+            print(f"\r{line}", end="", file=self.stream, flush=True)
+        elif now - self.last >= self.layer_interval:
+            print(line, file=self.stream, flush=True)
+            self.last = now
 
     def batch(self, batches: int) -> None:
         now = time.perf_counter()

@@ -281,6 +281,15 @@ def test_progress_in_a_log_file_has_whole_lines_and_whole_batches(monkeypatch):
     diagnose(model, id_batches(16, n=3), name="m")
     assert log.getvalue().count("\n") == 1 and "3/3 batches done" in log.getvalue()
 
+    log.seek(0)
+    log.truncate()  # a long batch: whole lines within it too (issue 38: 1B models on CPU)
+    monkeypatch.setattr(module.Progress, "layer_interval", 0.0)
+    diagnose(model, id_batches(16, n=1), name="m")
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and lines == [
+        "diagnose m: 0/1 batches done, " + ln.split(", ")[1] + f", layer {i + 1}/2 of batch 1"
+        for i, ln in enumerate(lines[:2])] + lines[2:] and len(lines) == 3, lines
+
 
 def test_progress_on_a_terminal_rewrites_one_line(monkeypatch):
     from flashwatch.diagnosis import diagnose as module
