@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_reduce.py [--heads 144 1536 5120] [--reps 50]
 
 Two gloo processes on this machine (loopback). Per head count n (k = sketch_dim 8): the
-time of one reduce.exchange (one SUM of n·(11 + k²) + 1 and one MAX of 4n + 2 float64
+time of one reduce.exchange (one SUM of n·(12 + k²) + 1 and one MAX of 9n + 2 float64
 values, with packing) and of the vote (one 4-value MAX), median over --reps after 5
 warm-up rounds, and the payload in bytes. GPT-2 Small has 144 heads, a 1.5 B model
 ≈ 1,536, the scale benchmark 5,120.

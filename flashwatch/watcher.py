@@ -41,6 +41,7 @@ from flashwatch.parallel.layout import HeadTable
 from flashwatch.report.records import StepReport
 from flashwatch.report.sinks import Sink
 from flashwatch.sites import NoAttentionLayers, find_sites
+from flashwatch.sites.discovery import split_by_tensor_parallelism
 from flashwatch.sites.layouts import QCheck
 
 log = logging.getLogger("flashwatch")
@@ -127,6 +128,7 @@ class Watcher:
         self._pipeline = StepPipeline(cfg, self._states, self._recorder, self._ledger,
                                       monitor, self._set_modes, self.head_table)
         self._attachment = self._recorder.attachment = Attachment(self._recorder)
+        self._recorder.split = self._split
         for st in self._states:
             st.compiled.key = traced.register(self._recorder, st)
             st.compiled.key_t = torch.tensor(st.compiled.key)
@@ -372,6 +374,22 @@ class Watcher:
             st.compiled.traced = st.traceable()
         self._attachment.force_eager(
             self._cadence.measuring and not all(st.compiled.traced for st in self._states))
+
+    def _split(self, st: LayerState) -> str | None:
+        """A layer watched whole whose Q, K, V Linears `parallelize_module` split since
+        (watch, then parallelize): this rank watches its own heads of it from now on, at
+        their global indices, as if it had attached after (None), or why not."""
+        site = split_by_tensor_parallelism(st.site)
+        if isinstance(site, str):
+            return site
+        i = next(j for j, s in enumerate(self.sites) if s is st.site)
+        try:
+            self._pipeline.narrow(st, site)
+        except ValueError as e:  # e.g. QK-clip cannot scale this layout's rows
+            return str(e)
+        self.sites[i] = site
+        self._set_modes(st, st.modes)
+        return None
 
     def _set_modes(self, st: LayerState, modes: torch.Tensor) -> None:
         st.modes = modes

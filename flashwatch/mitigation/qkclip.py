@@ -113,6 +113,14 @@ class QKClip:
         self.scale_errors: list = []  # (site name, exception) of the last apply()
         self._confirmed = False  # confirm() ran since the last apply()
 
+    def replace_site(self, i: int, site: AttentionSite, offset: int) -> None:
+        """This rank's i-th layer, split by tensor parallelism after attach: from now on
+        it scales the rows of `site`'s heads (at `offset` in the per-head arrays). The
+        books, kept per global head, are unchanged."""
+        if self.config.qk_clip_threshold is not None:
+            check_site(site)
+        self.sites[i], self.offsets[i], self.qk_norm[i] = site, offset, qk_norm(site)
+
     @property
     def total(self) -> int:
         return int(self.clips.sum())

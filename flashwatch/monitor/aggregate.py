@@ -39,11 +39,16 @@ MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "refused")
 # of the head's modes (0 nothing, 1 ran, 2 failed: every rank settles the head's
 # pending mode events). flashwatch/monitor/head_modes.py.
 MODE_FIELDS = ("mode", "ran", "user_set", "seen")
+# Summed, 1 for each head a rank holds, sent even where its measurement failed: how many
+# ranks hold each head this step (the replica count `finish` divides by). Exchanged, not
+# fixed at attach, because a layer split by tensor parallelism after attach changes
+# which heads a rank holds (flashwatch/monitor/head_modes.py).
+HOLDERS = "holders"
 
 
 def shapes(n_heads: int, k: int) -> dict[str, tuple]:
     """The exchange layout of a watcher with n_heads heads and sketch_dim k."""
-    out = {f: (n_heads,) for f in SUM_FIELDS}
+    out = {f: (n_heads,) for f in (*SUM_FIELDS, HOLDERS)}
     out["G"] = (n_heads, k, k)
     out.update({f"max:{f}": (n_heads,) for f in MAX_FIELDS + MODE_FIELDS})
     return out
@@ -155,7 +160,7 @@ def fills(n_heads: int, k: int) -> dict[str, torch.Tensor]:
     return {f.removeprefix("max:"): torch.full(shape, -math.inf if f.startswith("max:")
                                                else 0.0, dtype=torch.float64)
             for f, shape in shapes(n_heads, k).items()
-            if f.removeprefix("max:") not in MODE_FIELDS}
+            if f.removeprefix("max:") not in (*MODE_FIELDS, HOLDERS)}
 
 
 def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

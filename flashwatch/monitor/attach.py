@@ -252,13 +252,17 @@ class Attachment:
     def arm(self, states) -> None:
         """Register the monitored step's hooks (X and ‖dW^Q‖²) on every layer that has a
         Q projection. Idempotent."""
-        if self.armed:
+        if self.armed:  # a weight replaced since (fully_shard after watch): hook it too
+            for st in states:
+                if st.site.q_module is not None:
+                    self._hook_wq_grad(st)
             return
         self.armed = True
         for st in states:
             if st.site.q_module is not None:
                 self._step_handles.append(
                     st.site.q_module.register_forward_pre_hook(self._x_hook(st)))
+                st.wq_hooked.clear()  # their handles went with the last disarm
                 self._hook_wq_grad(st)
                 qc = st.q_check  # a hook on the layer's q norm, if it has one
                 if qc is not None and not qc.done and not qc.failed:
@@ -281,20 +285,25 @@ class Attachment:
                 x = args[0]  # a reference only; rows are taken at the attention call
                 # a tensor-parallel q_proj's own hook made it a replicated DTensor
                 st.buf.x = x.to_local() if callable(getattr(x, "to_local", None)) else x
-                if getattr(module, "weight", None) is not st.wq_hooked:
-                    try:  # the weight was replaced (fully_shard): hook the new one
-                        self._hook_wq_grad(st)
-                    except Exception as e:
-                        rec.ledger.error(f"W^Q gradient {st.site.name}", e)
+                try:  # a weight replaced (fully_shard; FSDP2's unsharded one): hook it
+                    self._hook_wq_grad(st)
+                except Exception as e:
+                    rec.ledger.error(f"W^Q gradient {st.site.name}", e)
         return hook
 
     def _hook_wq_grad(self, st) -> None:
-        """Hook the Q projection's current weight for ‖dW^Q_h‖² (delta_error_share)."""
+        """Hook the Q projection's current weight for ‖dW^Q_h‖² (delta_error_share),
+        unless it is hooked already. Under FSDP2 both the unsharded weight (forward) and
+        the sharded one get hooked: the sharded one's hook fires last, with the averaged
+        gradient (after the reduce-scatter), and its number is the one kept."""
         wq = getattr(st.site.q_module, "weight", None)
-        st.wq_hooked = wq
-        if isinstance(st.site.q_module, nn.Linear) and wq is not None and wq.requires_grad:
+        known = st.wq_hooked.get(id(wq))
+        if wq is None or (known is not None and known() is wq):
+            return
+        if isinstance(st.site.q_module, nn.Linear) and wq.requires_grad:
             self._step_handles.append(
                 wq.register_post_accumulate_grad_hook(self.recorder.wq_grad_hook(st)))
+            st.wq_hooked[id(wq)] = weakref.ref(wq)
 
     def force_eager(self, on: bool) -> None:
         """While a step is measured and some layer cannot take the traced probe

@@ -19,6 +19,7 @@ on the device the calls ran on; flashwatch/monitor/monitored_step.py reads them 
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass
 
@@ -33,6 +34,8 @@ from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
 from flashwatch.parallel.sharding import wq_grad_sq
+
+log = logging.getLogger("flashwatch")
 
 
 @dataclass
@@ -58,6 +61,9 @@ class Recorder(ProbeRecorder):
         super().__init__(config, states, cadence, ledger, n_heads)
         self.owner = owner  # the Watcher: kept alive as long as its model holds us
         self.attachment = None  # set by the Watcher (flashwatch/monitor/attach.py)
+        # set by the Watcher: (layer) -> None once it watches this rank's part of a layer
+        # that tensor parallelism split after attach, or why it cannot (a str)
+        self.split = None
 
     def wq_grad_hook(self, st: LayerState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
@@ -89,7 +95,8 @@ class Recorder(ProbeRecorder):
         except Exception as e:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
-        if a is None:
+        if a is None:  # seen, said why (once), not measured: not a silent layer
+            st.buf.calls += self.cadence.measuring
             return func(*args, **kwargs)
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
@@ -111,16 +118,24 @@ class Recorder(ProbeRecorder):
         # route and probe what SDPA computes with (autocast: rotary models hand it FP32
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
+        why = "a decode step folding query heads?"
+        if q.dim() == 4 and q.shape[1] < st.site.num_heads and st.site.global_heads is None \
+                and callable(getattr(getattr(st.site.q_module, "weight", None), "to_local",
+                                     None)):
+            # watched whole, then split by parallelize_module: from now on this rank
+            # watches its own heads (flashwatch/sites/discovery.py)
+            why = self.split(st) if self.split is not None else "nothing narrows it here"
+            if why is None:
+                log.info("flashwatch: %s was split by tensor parallelism after "
+                         "flashwatch.watch attached: this rank watches its heads %d..%d of %d",
+                         st.site.name, st.site.head_offset,
+                         st.site.head_offset + st.site.num_heads - 1, st.site.global_heads)
+            else:
+                why = f"split by tensor parallelism after attach, but {why}"
         if q.dim() == 4 and q.shape[1] != st.site.num_heads:
             # e.g. a KV-cached decode step of a grouped-query model that folds its query
             # heads into the length axis ([B, H_kv, n_rep, D]): not the layer's heads, so
             # neither its modes nor its head arrays apply. Skipped, never misattributed.
-            weight = getattr(st.site.q_module, "weight", None)
-            why = ("its projections were split by tensor parallelism after flashwatch.watch "
-                   "attached: attach after parallelize_module (docs/limits.md)"
-                   if st.site.global_heads is None and q.shape[1] < st.site.num_heads
-                   and callable(getattr(weight, "to_local", None))
-                   else "a decode step folding query heads?")
             self.warn_once(st, "heads", f"flashwatch: {st.site.name}: an attention call "
                            f"with {q.shape[1]} heads, not the layer's {st.site.num_heads} "
                            f"({why}); such calls run as they are and are not measured")

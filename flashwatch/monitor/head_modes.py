@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from flashwatch.kernels.common import Mode
+from flashwatch.monitor.aggregate import HOLDERS
 from flashwatch.report.records import Event
 
 SEEN_NOTHING, SEEN_RUN, SEEN_FAILING = 0.0, 1.0, 2.0
@@ -41,10 +42,7 @@ class HeadModes:
         self.keys, self.states, self._set_local, self.ledger = keys, states, set_local, ledger
         self.index = {k: i for i, k in enumerate(keys)}
         n = len(keys)
-        self.positions = (torch.cat([st.heads for st in states]) if states
-                          else torch.zeros(0, dtype=torch.int64))
-        self.held = torch.zeros(n, dtype=torch.bool)
-        self.held[self.positions] = True
+        self.relayout()
         self.modes = torch.zeros(n, dtype=torch.int64)  # every head's, held here or not
         self.user_set = torch.zeros(n, dtype=torch.bool)  # set by hand, not exchanged yet
         self.pending: dict[int, list[Event]] = {}  # head -> applied events not seen run
@@ -53,6 +51,15 @@ class HeadModes:
         self.seen = torch.zeros(n, dtype=torch.float64)  # this rank's, at its heads
         self.reasons: dict[int, str] = {}  # head -> why its layer failed here
         self.withdrawn: list = []  # copies of events withdrawn by the last exchange
+
+    def relayout(self) -> None:
+        """The global heads this rank's layers hold (`positions`, in its layers' order,
+        and the `held` mask), read again after a layer was split by tensor parallelism."""
+        positions = (torch.cat([st.heads for st in self.states]) if self.states
+                     else torch.zeros(0, dtype=torch.int64))
+        held = torch.zeros(len(self.keys), dtype=torch.bool)
+        held[positions] = True
+        self.positions, self.held = positions, held
 
     # ----------------------------------------------------------------- setting modes
 
@@ -155,9 +162,11 @@ class HeadModes:
         """This rank's part of the mode fields of the exchange, -inf at heads held
         elsewhere."""
         fill = torch.full((len(self.keys),), -math.inf, dtype=torch.float64)
-        return {k: torch.where(self.held, v, fill) for k, v in (
+        out = {k: torch.where(self.held, v, fill) for k, v in (
             ("mode", self.global_modes().double()), ("ran", self.ran(not_applied).double()),
             ("user_set", self.user_set.double()), ("seen", self.seen.clone()))}
+        out[HOLDERS] = self.held.double()  # summed: how many ranks hold each head
+        return out
 
     # ---------------------------------------------------------- after the exchange
 

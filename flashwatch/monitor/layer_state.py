@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flashwatch.kernels.common import AttentionStats
+from flashwatch.sites.layouts import QCheck
 from flashwatch.sites.site import AttentionSite
 
 
@@ -113,7 +114,9 @@ class LayerState:
     module_calls: int = 0
     routed_calls: int = 0
     fallback_calls: int = 0
-    wq_hooked: object = None  # the Q weight whose gradient hook is registered
+    # id -> weakref of each Q weight whose gradient hook is registered: under FSDP2 the
+    # unsharded weight of the forward and the sharded one outside it are both hooked
+    wq_hooked: dict = field(default_factory=dict)
     q_check: object = None  # layouts.QCheck of its W^Q slice, until it passed or failed
     wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
     silent_reported: bool = False  # "no attention call seen" was reported
@@ -163,6 +166,25 @@ class LayerState:
         if self.module_calls == 0 and self.routed_calls == 0:
             return self.unmitigable  # not called since: the last thing known
         return None
+
+    def narrow(self, site: AttentionSite, offset: int) -> None:
+        """The layer, watched whole, now split by tensor parallelism: `site` is this
+        rank's part of it (heads [site.head_offset, + site.num_heads) of the ones it
+        held), at `offset` in the head table. Modes keep each head's own; the step's
+        buffers restart for the local heads, keeping what the current forward already
+        recorded (the call's X, the forward count)."""
+        lo, h = site.head_offset, site.num_heads
+        old = self.buf
+        device = old.stats.rows.device if old is not None else "cpu"
+        # everything made first, then assigned: a failure leaves the layer as it was
+        modes, heads = self.modes[lo:lo + h].clone(), torch.arange(offset, offset + h)
+        check = QCheck(site) if site.q_module is not None else None
+        buf = StepBuffers.fresh(h, device)
+        if old is not None:
+            buf.x, buf.forwards, buf.calls = old.x, old.forwards, old.calls
+        self.site, self.offset, self.modes, self.heads = site, offset, modes, heads
+        self.q_check, self.buf, self.power_v = check, buf, None
+        self.device_cache.clear()
 
     def reset(self) -> None:
         """Fresh step buffers, on the device the last step's calls ran on."""

@@ -81,7 +81,6 @@ class StepPipeline:
                                              for st in states]])
         self.heads = self.table.keys
         n = len(self.heads)
-        self.holders = self.table.head_holders().numpy()
         # every head's modes and pending mode events (flashwatch/monitor/head_modes.py)
         self.book = HeadModes(self.heads, states, set_modes, ledger)
         self.positions, self.held = self.book.positions, self.book.held
@@ -94,6 +93,19 @@ class StepPipeline:
         self.agreement = Agreement(monitor, ledger, self.buffers)
         self.events: list = []  # every mode change and QK-clip since the start
         self.realign_to: int | None = None  # step count the ranks agreed on, if moved
+
+    def narrow(self, st: LayerState, site) -> None:
+        """One of this rank's layers, watched whole, split by tensor parallelism after
+        attach (`site`: its part on this rank): its state, the heads this rank holds
+        and QK-clip's rows follow. The head table, keyed by global heads, is unchanged;
+        the replica counts travel in every exchange (aggregate.HOLDERS)."""
+        i = next(j for j, s in enumerate(self.states) if s is st)
+        offset = self.table.offset(site.name, site.head_offset)
+        self.qk_clip.replace_site(i, site, offset)  # first: it may refuse the site
+        st.narrow(site, offset)
+        self.book.relayout()
+        self.positions, self.held = self.book.positions, self.book.held
+        self.qk_clip.replace_site(i, site, st.offset)
 
     @property
     def unreported(self) -> list:
@@ -268,7 +280,7 @@ class StepPipeline:
         failed, clip_plan = red is None, None
         try:
             if red is not None:
-                arrays = aggregate.finish(red.sums, red.maxes, self.holders)
+                arrays = aggregate.finish(red.sums, red.maxes, red.sums[aggregate.HOLDERS])
                 if red.in_step and not red.failed_ranks:
                     values, decision = self._decide(step, arrays)
                     clip_plan = self._qk_clip_plan(arrays)

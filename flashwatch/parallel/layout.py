@@ -10,10 +10,12 @@ the same table from them:
 - the layers in the order they are first held (rank 0's in its order, then the names
   only rank 1 holds, ...): the model's order under PP, a rank's own order under DP;
 - for each layer, its global head count, and for each head the number of ranks that
-  hold it (`holders`): every rank under DDP and FSDP2 (replicas: their numbers are
-  summed and scaled by the holder count), one stage under PP (placed: the other ranks
-  contribute fills); a rank may hold a range of a layer's heads (tensor parallelism:
-  its heads sit at their global indices);
+  hold it at attach (`holders`): every rank under DDP and FSDP2 (replicas), one stage
+  under PP (placed: the other ranks contribute fills); a rank may hold a range of a
+  layer's heads (tensor parallelism: its heads sit at their global indices). The
+  replica counts the numbers are scaled by travel in every exchange instead
+  (flashwatch/monitor/aggregate.py HOLDERS): a layer split by tensor parallelism after
+  attach changes them, never the table's keys;
 - a name held by two ranks must have the same head count on both, or attach fails on
   every rank with the names and counts (never a silent mix).
 
@@ -26,8 +28,6 @@ embedding-only pipeline stage) holds an empty part and still joins every collect
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,6 @@ class HeadTable:
 
     def layer_facts(self, name: str) -> dict:
         return self.facts[self.index(name)] if self.facts else {}
-
-    def head_holders(self) -> torch.Tensor:
-        """[n] float64: how many ranks hold each head (its replica count)."""
-        return torch.tensor([float(r) for r in self.holders], dtype=torch.float64)
 
 
 def build(per_rank: list[list[tuple]]) -> HeadTable:

@@ -4,11 +4,12 @@ Every rank sums (or maxes) the same named tensors; each kind is packed into one 
 tensor and reduced by one `all_reduce`, so one monitored step costs a fixed number of
 small collectives whose payload depends on the model (heads, sketch_dim), never on the
 number of ranks. With n heads and k = sketch_dim the watcher packs
-  SUM  n · (11 + k²) values + 1 (the step's sums, and how many ranks failed locally)
+  SUM  n · (12 + k²) values + 1 (the step's sums, how many ranks hold each head, and
+       how many ranks failed locally)
   MAX  9 · n + 2 values (max logit, W^Q spectral norm, three flags, the four mode
        fields of flashwatch/monitor/head_modes.py, the step count and its negative)
-i.e. about 8 · n · (20 + k²) bytes; a ring or tree all_reduce sends and receives about
-twice that per rank whatever the world size (n = 5,120, k = 8: 3.4 MB, ≈ 6.9 MB each
+i.e. about 8 · n · (21 + k²) bytes; a ring or tree all_reduce sends and receives about
+twice that per rank whatever the world size (n = 5,120, k = 8: 3.5 MB, ≈ 7.0 MB each
 way). An all_gather would receive (world_size − 1) times that per rank.
 
 Fault symmetry. A collective that one rank skips is paired by the backend with the next

@@ -211,6 +211,36 @@ def _match_tensor_parallel(name, module, names, projs, where, tp) -> AttentionSi
         k_index=torch.arange(hkv * D), global_heads=H, head_offset=rank * h)
 
 
+def split_by_tensor_parallelism(site: AttentionSite) -> AttentionSite | str:
+    """`site`, found whole, after torch's `parallelize_module` split its Q, K, V Linears
+    on this rank (flashwatch.watch, then parallelize_module: the watcher attached in the
+    model's constructor, before the training script parallelizes it): the site of this
+    rank's heads, at their global indices, as discovery finds it on a model attached
+    after parallelize_module; or why not (a str). Local: no collective, so it may run
+    inside the forward on whichever rank sees it first."""
+    if site.global_heads is not None:
+        return "it was already split"
+    children = site.module._modules
+    for names in QKV_NAMES:
+        projs = [children.get(p) for p in names]
+        if all(isinstance(p, nn.Linear) for p in projs):
+            break
+    else:
+        return ("its Q, K, V projections are not separate Linears (a fused projection "
+                "splits into whole heads only with a plan of its own)")
+    if tensor_parallel(projs[0]) is None:
+        return f"{names[0]}'s weight is not sharded on dim 0 by tensor parallelism"
+    where = f"module {site.name!r} ({type(site.module).__name__})"
+    try:
+        new = _match_separate(site.name, site.module, names, projs, where, [])
+    except ValueError as e:
+        return str(e)
+    if new is None or new.global_heads != site.num_heads or new.head_dim != site.head_dim:
+        return (f"its split does not keep its {site.num_heads} heads of width "
+                f"{site.head_dim} whole")
+    return new
+
+
 def _lookup_int(module: nn.Module, attrs: Sequence[str]) -> int | None:
     """First positive int among module.<attr>, then module.config.<attr>."""
     holders = [module]

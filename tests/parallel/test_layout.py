@@ -19,7 +19,7 @@ def test_pipeline_stages_are_placed_by_name_in_the_order_first_held():
 def test_replicas_count_once_per_rank_and_a_rank_with_no_layer_adds_nothing():
     t = layout.build([[("a", 2), ("b", 3)], [("a", 2), ("b", 3)], []])
     assert t.layers == (("a", 2), ("b", 3))
-    assert t.head_holders().tolist() == [2.0] * 5
+    assert t.holders == (2,) * 5
 
 
 def test_a_rank_may_list_shared_layers_in_another_order():

@@ -5,14 +5,18 @@ rank reporting every global head once, under its global index.
 Two gloo ranks run the 4-layer, 16-head model of tests/scaled_heads.py (each
 head's W^Q scaled by its own factor) parallelized with `parallelize_module` after it was
 built, the module's head count left global (HF, newer torchtitan) or set to the local
-count (PyTorch's TP tutorial, older torchtitan). The truth is computed in FP64 on the
-full model over every row. Before, attach refused the first style ("head counts do not
-fit the projections") and failed on the second (q_module called with a plain input on
-DTensor weights).
+count (PyTorch's TP tutorial, older torchtitan), and flashwatch attached either after
+`parallelize_module` or before it (the "watched_first" styles: the watcher attached
+where the model is built, the script parallelizing it later). The truth is computed in
+FP64 on the full model over every row. Before, attach refused the first style ("head
+counts do not fit the projections") and failed on the second (q_module called with a
+plain input on DTensor weights); watched first, every call was skipped as "an attention
+call with 2 heads, not the layer's 4" and every head read NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -24,11 +28,16 @@ from scaled_heads import EPS, N_LAYERS, VOCAB, H, Stage, batch, full_model, trut
 
 import flashwatch as fw
 
-STYLES = ("global_heads", "local_heads")
+# (when flashwatch.watch attaches, the module's head count after parallelize_module)
+STYLES = ("global_heads", "local_heads", "watched_first_global_heads",
+          "watched_first_local_heads")
 TAU = 1.5  # QK-clip threshold between the heads' max logits (checked in the test)
 
 
-def _run(style: str, rank: int, mesh) -> dict:
+def _watched(style: str, mesh, **config):
+    """The full model, parallelized and watched in the style's order: watched first
+    (the watcher attached in the model's constructor, the script parallelizing it
+    after), each rank then watching the heads it holds from its first forward on."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -36,14 +45,20 @@ def _run(style: str, rank: int, mesh) -> dict:
     )
 
     model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+    config = fw.WatchConfig(every_n_steps=1, rows_per_head="all", collective_timeout_s=60,
+                            **config)
+    w = fw.watch(model, config=config) if style.startswith("watched_first") else None
     plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
             "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
     for blk in model.layers.values():
         parallelize_module(blk.attention, mesh, plan)
-        if style == "local_heads":
+        if style.endswith("local_heads"):
             blk.attention.num_heads = H // 2
-    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS,
-                                              collective_timeout_s=60))
+    return model, w or fw.watch(model, config=config)
+
+
+def _run(style: str, rank: int, mesh) -> dict:
+    model, w = _watched(style, mesh, eps=EPS)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     reports = []
     for step in range(2):
@@ -65,9 +80,8 @@ def _run(style: str, rank: int, mesh) -> dict:
         unmitigable1=dict(r1.unmitigable))
     w.remove()
     # QK-clip at τ between the heads' max logits: each rank scales its own heads' rows
-    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all",
-                                              qk_clip_threshold=TAU, mitigation="auto",
-                                              collective_timeout_s=60))
+    model, w = _watched(style, mesh, qk_clip_threshold=TAU, mitigation="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
     before = {n: p.to_local().detach().clone() for n, p in model.named_parameters()
               if n.endswith(("q_proj.weight", "k_proj.weight"))}
     tokens = batch(0)
@@ -140,10 +154,12 @@ def test_qk_clip_scales_each_heads_rows_on_the_rank_that_holds_them(results, sty
                     name, head)
 
 
-def _fsdp_tp(rank, world, init_file, out_dir):
+def _fsdp_tp(rank, world, init_file, out_dir, watched_first=False):
     """FSDP2 × TP on a (dp 2, tp 2) mesh: rank = 2·dp + tp. The TP pair of a dp rank
     trains on its batch batch(10 + dp); W^Q, W^K are (_StridedShard(0), Shard(0))
-    outside the forward: each rank holds 8 rows, one head, of its TP shard."""
+    outside the forward: each rank holds 8 rows, one head, of its TP shard.
+    watched_first: the first watcher attaches before parallelize_module and
+    fully_shard (the QK-clip one after)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -159,6 +175,9 @@ def _fsdp_tp(rank, world, init_file, out_dir):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = divmod(rank, 2)
     model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+    config = fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS,
+                            collective_timeout_s=60)
+    w = fw.watch(model, config=config) if watched_first else None
     for blk in model.layers.values():
         parallelize_module(blk.attention, mesh["tp"], {
             "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
@@ -175,8 +194,7 @@ def _fsdp_tp(rank, world, init_file, out_dir):
         opt.zero_grad()
         return w.step()
 
-    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS,
-                                              collective_timeout_s=60))
+    w = w or fw.watch(model, config=config)
     r0 = train(w)
     if tp == 1:  # both dp replicas of TP rank 1 set its local head 1 (global head 3)
         w.set_head_modes("layers.1.attention", [0, int(fw.Mode.FP32_O)])
@@ -189,6 +207,7 @@ def _fsdp_tp(rank, world, init_file, out_dir):
                heads0=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
                         h.wq_spectral_norm, h.delta_error_rows, h.wq_grad_norm)
                        for h in r0.heads],
+               grad2=[h.wq_grad_norm for h in r2.heads],
                modes2={(h.layer, h.head): int(h.head_mode) for h in r2.heads},
                unmitigable2=dict(r2.unmitigable))
     w.remove()
@@ -217,7 +236,8 @@ def _grad_norms_single_process() -> dict:
         for i in range(N_LAYERS) for h in range(H)}
 
 
-def test_fsdp2_x_tp_reports_every_head_and_acts_on_the_right_rows(tmp_path):
+@pytest.mark.parametrize("watched_first", [False, True])
+def test_fsdp2_x_tp_reports_every_head_and_acts_on_the_right_rows(tmp_path, watched_first):
     """4 gloo ranks, (dp 2, tp 2): each rank measures its TP rank's 2 heads of each
     layer on its dp batch, and all four report the same 16 heads, equal to the FP64
     truth on both dp batches together (max logit, ties over every row, W^Q σ from the
@@ -225,7 +245,8 @@ def test_fsdp2_x_tp_reports_every_head_and_acts_on_the_right_rows(tmp_path):
     gradient from each rank's own rows); a mode set on TP rank 1's local head runs on
     global head 3; QK-clip scales exactly the rows of the heads above τ on the rank
     that holds them. It used to be refused at attach."""
-    results = gloo_ranks(_fsdp_tp, 4, tmp_path)
+    results = gloo_ranks(functools.partial(_fsdp_tp, watched_first=watched_first), 4,
+                         tmp_path)
     truth = results[0]["truth"]
     grads = _grad_norms_single_process()
     above = {k for k, t in truth.items() if t["max_logit"] > TAU}
@@ -243,6 +264,9 @@ def test_fsdp2_x_tp_reports_every_head_and_acts_on_the_right_rows(tmp_path):
             # the power iteration's stopping rule (change < 1e-5): FSDP2's tolerance
             assert sigma == pytest.approx(t["sigma"], rel=1e-3), (layer, h)
             assert delta_rows > 0, (layer, h)
+            if not watched_first:  # watched first: step 0's is the local gradients'
+                assert grad == pytest.approx(grads[(layer, h)], rel=1e-4), (layer, h)
+        for (layer, h), grad in zip(truth, r["grad2"], strict=True):
             assert grad == pytest.approx(grads[(layer, h)], rel=1e-4), (layer, h)
         assert {k for k, m in r["modes2"].items() if m} == {("layers.1.attention", 3)}
         assert "layers.1.attention" not in r["unmitigable2"]
@@ -324,8 +348,11 @@ def test_hugging_face_tp_plan_reports_what_one_process_reports(tmp_path):
 
 
 def _attached_before(rank, world, init_file, out_dir):
-    """fw.watch, then parallelize_module: what the watcher says on each rank."""
+    """fw.watch, then parallelize_module: what the watcher says on each rank, and the
+    same where following the split fails (made to fail here: a layer flashwatch cannot
+    narrow keeps its whole-layer heads, and its calls with local heads are skipped)."""
     import logging
+    from unittest import mock
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -342,27 +369,47 @@ def _attached_before(rank, world, init_file, out_dir):
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    logging.getLogger("flashwatch").addHandler(handler)
-    model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
-    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, collective_timeout_s=60))
-    for blk in model.layers.values():
-        parallelize_module(blk.attention, mesh, {
-            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-    tokens = batch(0)
-    F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
-                    tokens[:, 1:].reshape(-1)).backward()
-    r = w.step()
-    torch.save({"said": said, "max_logit": [h.attention_max_logit for h in r.heads]},
-               f"{out_dir}/rank{rank}.pt")
+    logger = logging.getLogger("flashwatch")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    out = {}
+    for case in ("split", "refused"):
+        said.clear()
+        model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+        w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, collective_timeout_s=60))
+        for blk in model.layers.values():
+            parallelize_module(blk.attention, mesh, {
+                "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        tokens = batch(0)
+        with mock.patch("flashwatch.watcher.split_by_tensor_parallelism",
+                        return_value="a reason of the test") if case == "refused" \
+                else contextlib.nullcontext():
+            F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+                            tokens[:, 1:].reshape(-1)).backward()
+        r = w.step()
+        out[case] = {"said": list(said), "errors": w.monitor_errors_total,
+                     "max_logit": [h.attention_max_logit for h in r.heads]}
+        w.remove()
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_splitting_after_attach_is_named_not_misread(tmp_path):
-    """Not supported (docs/limits.md): a layer split by TP after fw.watch attached makes
-    calls with its local heads, which are not measured (NaN, never another head's
-    number) and the log says why and what to do."""
-    for r in gloo_ranks(_attached_before, 2, tmp_path):
-        assert all(m != m for m in r["max_logit"])  # NaN: not measured
-        assert any("split by tensor parallelism after flashwatch.watch attached" in s
-                   and "attach after parallelize_module" in s for s in r["said"]), r["said"]
+def test_watched_first_each_rank_says_which_heads_it_watches_or_why_not(tmp_path):
+    """Watched before parallelize_module: each rank logs the global heads of each
+    layer it now watches (the numbers are checked against the truth above). Where the
+    split cannot be followed, the calls with local heads are not measured (NaN, never
+    another head's number) and the log says why."""
+    for rank, r in enumerate(gloo_ranks(_attached_before, 2, tmp_path)):
+        split, refused = r["split"], r["refused"]
+        assert split["errors"] == 0, refused["said"]
+        for i in range(N_LAYERS):
+            line = (f"layers.{i}.attention was split by tensor parallelism after "
+                    f"flashwatch.watch attached: this rank watches its heads "
+                    f"{2 * rank}..{2 * rank + 1} of {H}")
+            assert any(line in s for s in split["said"]), split["said"]
+        assert all(m == m for m in split["max_logit"])
+        assert refused["errors"] == 0, "\n".join(refused["said"])
+        assert all(m != m for m in refused["max_logit"])  # NaN: not measured
+        assert any("split by tensor parallelism after attach, but a reason of the test" in s
+                   for s in refused["said"]), refused["said"]
