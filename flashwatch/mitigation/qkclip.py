@@ -26,7 +26,9 @@ a clip then brings the sampled max to τ and the true max may stay above it. Cli
 on monitored steps only; every_n_steps=1 clips at every step as Kimi and Megatron do.
 
 Sharded weights (FSDP2 / DTensor) are scaled shard-locally: each rank multiplies the
-channels of its local shard by their factors, no communication.
+channels of its local shard by their factors, no communication. `apply()` only plans
+the scaling (`writes`); `commit()` writes it, which a monitored step does on every rank
+or on none (flashwatch/monitor/clipping.py), so replicas keep equal weights.
 
 QK-norm (a norm on q and k after the projection: Qwen3, Qwen3-Next, Gemma3 `q_norm`,
 OLMo2, `q_layernorm`...) undoes any scaling of W^Q and W^K: the clip would shrink the
@@ -111,6 +113,7 @@ class QKClip:
         self.streak = torch.tensor([[math.nan, 1.0]], dtype=torch.float64).repeat(n, 1)
         self.stopped = torch.zeros(n, dtype=torch.bool)  # refused or unconfirmed: no clip
         self.scale_errors: list = []  # (site name, exception) of the last apply()
+        self.writes: list = []  # the last apply()'s scaled channels, until commit()
         self._confirmed = False  # confirm() ran since the last apply()
 
     def replace_site(self, i: int, site: AttentionSite, offset: int) -> None:
@@ -181,15 +184,16 @@ class QKClip:
         """max_logit [n]: the step's rank-reduced max logit per head (identical on every
         rank, so is every factor). modes [n]: the heads' modes, for the events. Runs
         confirm() first if the caller did not (its events lead the returned list). The
-        books and events cover every layer; the sites this rank holds are scaled, each
-        one whose scaling raised listed in `scale_errors` (its clip then shows as not
-        confirmed at the next measurement)."""
+        books and events cover every layer; the channels of the sites this rank holds
+        are scaled into `writes`, written to the weights by `commit()` (each site whose
+        scaling raised is listed in `scale_errors`: then commit nowhere, so that
+        replicas keep equal weights)."""
         events = []
         if not self._confirmed:
             done, failed = self.confirm(max_logit, step)
             events += done + failed
         self._confirmed = False
-        self.scale_errors = []
+        self.scale_errors, self.writes = [], []
         cfg = self.config
         tau = cfg.qk_clip_threshold
         if tau is None or cfg.mitigation == "off":
@@ -214,10 +218,15 @@ class QKClip:
                 e = eta[off:off + site.num_heads]
                 if norm is None and not bool((e == 1).all()):
                     try:
-                        scale_site(site, e, cfg.qk_clip_alpha)
+                        self.writes += plan_scaling(site, e, cfg.qk_clip_alpha)
                     except Exception as err:  # the books stay the same on every rank
                         self.scale_errors.append((site.name, err))
         return events
+
+    def commit(self) -> None:
+        """Write the last apply()'s scaled channels into the weights."""
+        writes, self.writes = self.writes, []
+        write(writes)
 
     def _clip_events(self, step, name, off, kv, e, max_logit, modes) -> list[Event]:
         tau, alpha = self.config.qk_clip_threshold, self.config.qk_clip_alpha
@@ -341,6 +350,19 @@ def check_site(site: AttentionSite) -> None:
 
 def scale_site(site: AttentionSite, eta: torch.Tensor, alpha: float) -> None:
     """Scale the site's W^Q and W^K channels (and biases) in place for per-head η [H]."""
+    write(plan_scaling(site, eta, alpha))
+
+
+@torch.no_grad()
+def write(writes: list) -> None:
+    """Copy each planned (channels, scaled values) pair into its weight."""
+    for channels, scaled in writes:
+        channels.copy_(scaled)
+
+
+def plan_scaling(site: AttentionSite, eta: torch.Tensor, alpha: float) -> list:
+    """The site's W^Q and W^K channels (and biases) scaled for per-head η [H], as
+    (view of the weight's channels, scaled values) pairs: computed, nothing written."""
     D = site.head_dim
     q_rows = (eta ** alpha).repeat_interleave(D)  # [H * D], head-major channels
     k_rows = (kv_factors(eta, site.num_kv_heads) ** (1 - alpha)).repeat_interleave(D)
@@ -348,28 +370,30 @@ def scale_site(site: AttentionSite, eta: torch.Tensor, alpha: float) -> None:
     if site.global_heads is not None:  # TP: local channels are global ones of this rank
         kv_offset = site.head_offset * site.num_kv_heads // site.num_heads
         q_index, k_index = q_index + site.head_offset * D, k_index + kv_offset * D
-    _scale(site.q_module, q_index, q_rows)
-    _scale(site.k_module, k_index, k_rows)
+    return _scale(site.q_module, q_index, q_rows) + _scale(site.k_module, k_index, k_rows)
 
 
-def _scale(proj: nn.Module, index: torch.Tensor, factors: torch.Tensor) -> None:
-    """Multiply output channels `index` of a Linear/Conv1D (weight and bias) by
-    `factors`, run by contiguous run of channels. Conv1D stores its weight [in, out]:
+def _scale(proj: nn.Module, index: torch.Tensor, factors: torch.Tensor) -> list:
+    """Output channels `index` of a Linear/Conv1D (weight and bias) times `factors`,
+    planned by contiguous run of channels. Conv1D stores its weight [in, out]:
     channels are columns."""
     out_dim = 1 if type(proj).__name__ == "Conv1D" else 0
     breaks = ((index[1:] - index[:-1]) != 1).nonzero().flatten() + 1
     bounds = [0, *breaks.tolist(), len(index)]
+    out = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         start = int(index[lo])
-        _mul_channels(proj.weight, out_dim, start, factors[lo:hi])
+        out += _mul_channels(proj.weight, out_dim, start, factors[lo:hi])
         if getattr(proj, "bias", None) is not None:
-            _mul_channels(proj.bias, 0, start, factors[lo:hi])
+            out += _mul_channels(proj.bias, 0, start, factors[lo:hi])
+    return out
 
 
 @torch.no_grad()
-def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tensor) -> None:
-    """param[..., start + i, ...] *= factors[i] along `dim`, on the local shard of a
-    DTensor (its global offset along `dim` decides which factors it owns)."""
+def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tensor) -> list:
+    """[(param[..., start + i, ...] along `dim`, it times factors[i])] on the local shard
+    of a DTensor (its global offset along `dim` decides which factors it owns); [] where
+    this rank holds none of the channels or every factor is 1."""
     local, offset, size = param, 0, param.shape[dim]
     if is_dtensor(param):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -379,12 +403,13 @@ def _mul_channels(param: torch.Tensor, dim: int, start: int, factors: torch.Tens
         local, offset, size = param._local_tensor, offsets[dim], shape[dim]
     lo, hi = max(start, offset), min(start + len(factors), offset + size)
     if lo >= hi:
-        return  # this rank holds none of these channels
+        return []  # this rank holds none of these channels
     f = factors[lo - start:hi - start]
     if bool((f == 1).all()):
-        return  # heads under τ stay bit-for-bit as they are
+        return []  # heads under τ stay bit-for-bit as they are
     view = [1] * local.dim()
     view[dim] = hi - lo
+    channels = local.narrow(dim, lo - offset, hi - lo)
     # In the weight's dtype, as the optimizer's own update is; one rounding per element.
-    local.narrow(dim, lo - offset, hi - lo).mul_(f.to(local.device, local.dtype).view(view))
+    return [(channels, channels * f.to(local.device, local.dtype).view(view))]
 

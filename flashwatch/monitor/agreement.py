@@ -1,4 +1,5 @@
-"""The vote that keeps every rank's head modes identical, and the heal when it fails.
+"""The vote that keeps every rank's head modes identical, and the heal when it fails;
+and QK-clip's commit, which keeps replicas' weights identical.
 
 After a monitored step's decision each rank votes with one 4-value MAX all_reduce on the
 monitor's group: [this rank failed, a hash of the modes it now runs, −that hash, −(its
@@ -52,6 +53,22 @@ class Agreement:
                                   "rank failed, or holds other head modes); every rank takes "
                                   "the decisions of the lowest rank that did not fail")
         return bool(agree)
+
+    def all_ready(self, ready: bool) -> bool:
+        """True when every rank is `ready` (one 1-value MAX on the monitor's group; one
+        process: `ready`). QK-clip's commit: weights change on every rank or on none."""
+        mon = self.monitor
+        if not mon.distributed:
+            return ready
+        if mon.broken is not None:
+            return False
+        self.buffers.flag[0] = float(not ready)
+        try:
+            mon.all_reduce_(self.buffers.flag_t, "max")
+        except Exception as e:
+            self.ledger.error("qk_clip commit", e)
+            return False
+        return float(self.buffers.flag[0]) == 0.0
 
     def heal(self, state, adopt) -> None:
         """Every rank takes the source's state: `state()` there (tried twice: the

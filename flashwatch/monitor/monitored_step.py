@@ -27,10 +27,9 @@ import torch
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode
-from flashwatch.mitigation import qkclip
 from flashwatch.mitigation.policy import Decision, Policy
 from flashwatch.mitigation.qkclip import QKClip
-from flashwatch.monitor import aggregate, samples
+from flashwatch.monitor import aggregate, clipping, samples
 from flashwatch.monitor.agreement import Agreement
 from flashwatch.monitor.capture import Recorder
 from flashwatch.monitor.head_modes import HeadModes
@@ -88,7 +87,7 @@ class StepPipeline:
         self.policy = Policy(config, self.heads)
         self.qk_clip = QKClip(config, [st.site for st in states],
                               offsets=[st.offset for st in states], n_heads=n,
-                              layers=clip_layers(self.table, states))
+                              layers=clipping.clip_layers(self.table))
         self.buffers = reduce.Buffers(aggregate.shapes(n, config.sketch_dim))
         self.agreement = Agreement(monitor, ledger, self.buffers)
         self.events: list = []  # every mode change and QK-clip since the start
@@ -283,7 +282,7 @@ class StepPipeline:
                 arrays = aggregate.finish(red.sums, red.maxes, red.sums[aggregate.HOLDERS])
                 if red.in_step and not red.failed_ranks:
                     values, decision = self._decide(step, arrays)
-                    clip_plan = self._qk_clip_plan(arrays)
+                    clip_plan = clipping.plan(self.config, arrays)
         except Exception as e:
             self.ledger.error("decide", e)
             failed, decision = True, None
@@ -301,9 +300,17 @@ class StepPipeline:
             self.agreement.heal(self._state, self._adopt)
         if decision is not None:  # pending until seen run where the head is held
             self._local("apply decision", lambda: self.book.hold(decision.events), None)
-        clips = self._local("qk_clip", lambda: self._safe_qk_clip(step, arrays, clip_plan),
-                            [])
+        clips = self._local("qk_clip", lambda: self._clip(step, arrays, clip_plan), [])
         return Decided(decision=decision, values=values, arrays=arrays, clips=clips)
+
+    def _clip(self, step: int, a, max_logit) -> list:
+        """QK-clip after the vote, written on every rank or none (monitor/clipping.py)."""
+        clips, confirmed = clipping.run(
+            self.qk_clip, self.agreement, self.ledger, step, a, max_logit, self.global_modes,
+            {st.site.name: st.wq_refused for st in self.states}, self.table)
+        self.book.confirmed += confirmed
+        self.events.extend(clips)
+        return clips
 
     def _decide(self, step: int, a: aggregate.HeadArrays):
         t = torch.from_numpy
@@ -316,13 +323,19 @@ class StepPipeline:
         return values, decision
 
     def _mode_hash(self) -> float:
+        """What the vote compares: every head's modes and, with QK-clip on, its books
+        (a failure on one rank while booking a clip must not leave the ranks deciding
+        different clips from then on: the heal sends them too)."""
         modes = self.global_modes().double()
-        return float((modes * torch.arange(1, modes.numel() + 1, dtype=torch.float64)).sum())
+        h = float((modes * torch.arange(1, modes.numel() + 1, dtype=torch.float64)).sum())
+        if self.config.qk_clip_threshold is not None:
+            h += clipping.books_hash(self.qk_clip)
+        return h
 
     def _state(self) -> dict:
         """What a disagreeing vote's source rank sends (agreement.Agreement.heal)."""
         return dict(signals=self.signals.state_dict(), policy=self.policy.state_dict(),
-                    modes=self.global_modes())
+                    modes=self.global_modes(), qk_clip=self.qk_clip.state_dict())
 
     def _adopt(self, state: dict) -> None:
         """The source rank's state, the modes first (and again if they fail: they are
@@ -336,6 +349,8 @@ class StepPipeline:
                     lambda: self.signals.load_state_dict(state["signals"]), None)
         self._local("state broadcast", lambda: self.policy.load_state_dict(state["policy"]),
                     None)
+        self._local("state broadcast",
+                    lambda: self.qk_clip.load_state_dict(state["qk_clip"]), None)
 
     def _set_decided(self, decision) -> None:
         """A decision's modes on this rank's layers (the events are kept after the
@@ -381,53 +396,3 @@ class StepPipeline:
         report.confirmed = self.book.confirmed  # events seen run: counters count these
         self.book.confirmed = []
         return report
-
-    def _qk_clip_plan(self, a) -> torch.Tensor | None:
-        """The reduced max logits QK-clip will act on, checked before the vote (its
-        factors are a pure function of them, the same on every rank); None: no clip."""
-        cfg = self.config
-        if cfg.qk_clip_threshold is None or cfg.mitigation == "off":
-            return None
-        max_logit = torch.from_numpy(a.max_logit)
-        qkclip.clip_factors(max_logit, cfg.qk_clip_threshold)
-        return max_logit
-
-    def _safe_qk_clip(self, step, a, max_logit) -> list:
-        """QK-clip after the vote: every rank that agreed scales the same heads by the
-        same factors (flashwatch/mitigation/qkclip.py)."""
-        if max_logit is None:
-            return []
-        modes = self.global_modes()
-        stops = []
-        mine = {st.site.name: st.wq_refused for st in self.states}
-        for name, heads in self.table.layers:  # a W^Q slice refused on a rank: stop there
-            at = self.table.offset(name)
-            refused = torch.from_numpy(a.refused[at:at + heads])
-            if refused.any():
-                stops += self.qk_clip.stop_layer(
-                    step, name, mine.get(name) or "its W^Q slice failed the check on a rank",
-                    heads=refused)
-        try:  # clips of the last step count once this measurement shows them
-            confirmed, failed = self.qk_clip.confirm(max_logit, step)
-            clips = self.qk_clip.apply(step, max_logit, modes)
-        except Exception as e:
-            self.ledger.error("qk_clip", e)
-            return stops
-        if self.qk_clip.scale_errors:  # one error a step, naming every layer it hit
-            names = [name for name, _ in self.qk_clip.scale_errors]
-            self.ledger.error(f"qk_clip of {names}", self.qk_clip.scale_errors[0][1])
-        self.book.confirmed += confirmed
-        clips = stops + confirmed + failed + clips
-        self.events.extend(clips)
-        return clips
-
-
-def clip_layers(table: HeadTable, states: list[LayerState]) -> list[tuple]:
-    """QK-clip's books over every layer of the table: (name, offset, heads, K heads,
-    QK-norm) from the facts its first holder gave at attach (flashwatch/watcher.py)."""
-    out = []
-    for name, heads in table.layers:
-        facts = table.layer_facts(name)
-        out.append((name, table.offset(name), heads, int(facts.get("kv_heads", heads)),
-                    facts.get("qk_norm")))
-    return out

@@ -175,8 +175,9 @@ class Buffers:
         self.sums = np.zeros(sum(size[k] for k in self.sum_keys) + 1)  # + failed ranks
         self.maxes = np.zeros(sum(size[k] for k in self.max_keys) + 2)  # + ±step
         self.vote = np.zeros(4)  # StepPipeline's vote: [failed, hash, -hash, -source]
-        self.sums_t, self.maxes_t, self.vote_t = (torch.from_numpy(a) for a in (
-            self.sums, self.maxes, self.vote))
+        self.flag = np.zeros(1)  # QK-clip's commit: [some rank failed to prepare]
+        self.sums_t, self.maxes_t, self.vote_t, self.flag_t = (torch.from_numpy(a) for a in (
+            self.sums, self.maxes, self.vote, self.flag))
 
 
 def exchange(monitor: MonitorGroup | None, sums: dict[str, torch.Tensor] | None,

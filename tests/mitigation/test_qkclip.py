@@ -196,9 +196,13 @@ def test_a_failing_clip_is_counted_not_raised(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("odd weight")
 
-    monkeypatch.setattr(qkclip, "scale_site", boom)
+    monkeypatch.setattr(qkclip, "plan_scaling", boom)
+    before = [p.detach().clone() for p in model.parameters()]
     report = _one_step(model, w, x)
     assert report is not None and w.monitor_errors_total == 1
+    # all or nothing: no site is scaled when one fails (replicas keep equal weights)
+    assert not [e for e in report.events if e.kind == "qk_clip"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     w.remove()  # the logged error's traceback keeps the test's frame (and w) alive
 
 
@@ -311,14 +315,14 @@ def test_clip_events_reach_the_sinks_and_the_run_report(tmp_path):
 
 
 def test_a_clip_without_effect_is_not_counted_and_stops(monkeypatch):
-    """A planted clip that changes nothing (scale_site does nothing): the next
+    """A planted clip that changes nothing (it plans no write): the next
     measurement does not confirm it, it is not counted, and the head is not clipped
     again once its clips should have halved its logits."""
     torch.manual_seed(0)
     model = qk_gpt()
     x = token_batch(model)
     _boost(model, x)
-    monkeypatch.setattr(qkclip, "scale_site", lambda *a, **k: None)
+    monkeypatch.setattr(qkclip, "plan_scaling", lambda *a, **k: [])
     w = fw.watch(model, every_n_steps=1, route_all=True, mitigation="auto",
                  qk_clip_threshold=TAU)
     reports = [_one_step(model, w, x) for _ in range(3)]

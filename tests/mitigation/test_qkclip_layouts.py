@@ -125,7 +125,7 @@ def _dtensor_worker(rank, world, init_file, out_dir):
         full = torch.randn(rows, 8)
         dt = distribute_tensor(full.clone(), mesh, [Shard(0)])
         factors = torch.linspace(0.3, 1.0, rows - 5, dtype=torch.float64)
-        qkclip._mul_channels(dt, 0, 3, factors)
+        qkclip.write(qkclip._mul_channels(dt, 0, 3, factors))
         result[rows] = dt.full_tensor()
     # FSDP2: sites found before sharding (after works too: tests/parallel/test_distributed.py);
     # fully_shard keeps the modules, the parameters become DTensors sharded on dim 0.

@@ -28,7 +28,8 @@ from examples.gpt import GPT, GPTConfig
 SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 STEPS, FAULT_STEP = 8, 2
 DDP_SCENARIOS = ("none", "probe_totals", "spectral_plain", "reduction", "policy",
-                 "policy_diverges", "rank0_fails", "qk_clip", "sink", "state_loading")
+                 "policy_diverges", "rank0_fails", "qk_clip", "qk_clip_scale",
+                 "qk_clip_books", "sink", "state_loading")
 FSDP2_SCENARIOS = ("spectral_sharded", "probe_totals")
 
 
@@ -129,7 +130,9 @@ def _arm_target(scenario, rank, computed):
     targets = {"probe_totals": (fsamples, "totals"), "spectral_plain": (fdist, "gram_norm"),
                "spectral_sharded": (fdist, "local_power_step"),
                "reduction": (freduce, "_pack"), "policy": (Policy, "decide"),
-               "qk_clip": (fqk, "clip_factors")}
+               "qk_clip": (fqk, "clip_factors"),  # before the vote
+               "qk_clip_scale": (fqk, "plan_scaling"),  # after it: one site's channels
+               "qk_clip_books": (fqk.QKClip, "confirm")}  # after it: the books
     if scenario == "policy_diverges":
         return _diverging_decide(rank), False
     if scenario == "rank0_fails":
@@ -151,7 +154,8 @@ def _run_scenario(scenario, kind, rank, mesh):
         fully_shard(model, mesh=mesh)
     else:
         model = DDP(model)
-    qk = dict(qk_clip_threshold=1e-3, mitigation="auto") if scenario == "qk_clip" else {}
+    qk = dict(qk_clip_threshold=1e-3, mitigation="auto") if scenario.startswith("qk_clip") \
+        else {}
     sinks = [_FailingSink(rank)] if scenario == "sink" else []
     w = fw.watch(model, every_n_steps=2, rows_per_head=8, sinks=sinks,
                  collective_timeout_s=60.0, **qk)  # a hang of ours fails the test
@@ -187,7 +191,8 @@ def _run_scenario(scenario, kind, rank, mesh):
                reported=[r.step for r in reports if r is not None],
                last=[h.tied_rowmax_ratio for h in reports[-2].heads] if reports[-2] else None,
                weights=[p.detach().float().sum().item() for p in model.parameters()],
-               clips=w.events, computed=computed, after_fault=after_fault, trail=trail)
+               clips=w.events, computed=computed, after_fault=after_fault, trail=trail,
+               clip_books=w.state_dict()["qk_clip"])
     w.remove()
     return out
 
@@ -222,9 +227,13 @@ def test_both_ranks_train_to_the_end_with_the_fault_counted_where_it_happened(
     # the monitored step after the fault reports again, with numbers
     assert 6 in r0["reported"] and 6 in r1["reported"]
     assert r0["last"] is not None and all(math.isfinite(x) for x in r0["last"])
-    # DDP keeps replicas identical only if nothing of ours touched one rank's weights
+    # DDP keeps replicas identical only if nothing of ours touched one rank's weights:
+    # a QK-clip that failed on one rank after the vote is written on no rank
     if kind == "ddp":
         assert r0["weights"] == pytest.approx(r1["weights"], rel=1e-6, abs=1e-6)
+    # QK-clip's books stay alike (a rank whose booking failed is healed from the others)
+    torch.testing.assert_close(r0["clip_books"], r1["clip_books"], rtol=0, atol=0,
+                               equal_nan=True)
 
 
 def test_a_diverging_decision_is_healed_to_the_healthy_ranks(results):

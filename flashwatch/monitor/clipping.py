@@ -1,0 +1,108 @@
+"""QK-clip inside a monitored step (flashwatch/mitigation/qkclip.py does the arithmetic):
+planned before the vote, booked and scaled after it, and written on every rank or none.
+
+    plan        before the vote: the reduced max logits the clip will act on (their
+                factors checked), the same on every healthy rank; None: no clip
+    run         after the vote: each rank books the step's clips (confirmations, stops,
+                new clips) and scales the channels it holds into new tensors, nothing
+                written; one 1-value MAX (agreement.Agreement.all_ready), issued by every
+                rank whenever a clip was planned, whatever raised before it, says whether
+                all succeeded; then every rank writes its channels, or none does and the
+                books go back to where they were. Written on one rank only, a clip would
+                leave DDP replicas with different weights for the rest of the run (DDP
+                never compares them): tests/parallel/test_faults.py injects a failure into
+                the scaling and into the books on one rank.
+    books_hash  the books in the vote's hash: a rank whose books differ anyway (a
+                failed roll-back) is healed with the others' in the vote's broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashwatch.config import WatchConfig
+from flashwatch.mitigation import qkclip
+from flashwatch.mitigation.qkclip import QKClip
+from flashwatch.monitor.agreement import Agreement
+from flashwatch.monitor.ledger import ErrorLedger
+from flashwatch.parallel.layout import HeadTable
+
+
+def plan(config: WatchConfig, a) -> torch.Tensor | None:
+    """The reduced max logits QK-clip will act on, checked before the vote (its factors
+    are a pure function of them, the same on every rank); None: no clip."""
+    if config.qk_clip_threshold is None or config.mitigation == "off":
+        return None
+    max_logit = torch.from_numpy(a.max_logit)
+    qkclip.clip_factors(max_logit, config.qk_clip_threshold)
+    return max_logit
+
+
+def run(clip: QKClip, agreement: Agreement, ledger: ErrorLedger, step: int, a,
+        max_logit: torch.Tensor | None, modes, refused_here: dict, table: HeadTable
+        ) -> tuple[list, list]:
+    """(the step's QK-clip events, the confirmed ones among them), the weights written
+    on every rank or on none (module docstring). modes: a callable giving every head's
+    modes; refused_here: layer name -> why its W^Q slice was refused on this rank."""
+    if max_logit is None:
+        return [], []
+    books = booked = None
+    try:
+        books = clip.state_dict()
+        booked = _book(clip, step, a, max_logit, modes(), refused_here, table)
+    except Exception as e:
+        ledger.error("qk_clip", e)
+    if not agreement.all_ready(booked is not None):  # a collective: every rank issues it
+        clip.writes = []
+        if books is not None:
+            try:
+                clip.load_state_dict(books)
+            except Exception as e:
+                ledger.error("qk_clip", e)
+        return [], []
+    try:
+        clip.commit()
+    except Exception as e:  # after the commit vote: nothing left to agree on
+        ledger.error("qk_clip", e)
+    stops, confirmed, rest = booked
+    return stops + confirmed + rest, confirmed
+
+
+def _book(clip: QKClip, step: int, a, max_logit, modes, refused_here: dict,
+          table: HeadTable) -> tuple[list, list, list]:
+    """(stops, confirmed, other events) of the step's QK-clip, its channels scaled into
+    clip.writes; raises where any of it failed on this rank."""
+    stops = []
+    for name, heads in table.layers:  # a W^Q slice refused on a rank: stop there
+        at = table.offset(name)
+        refused = torch.from_numpy(a.refused[at:at + heads])
+        if refused.any():
+            stops += clip.stop_layer(
+                step, name, refused_here.get(name) or "its W^Q slice failed the check on "
+                "a rank", heads=refused)
+    # clips of the last step count once this measurement shows them
+    confirmed, failed = clip.confirm(max_logit, step)
+    events = clip.apply(step, max_logit, modes)
+    if clip.scale_errors:  # one error, naming every layer it hit
+        names = [name for name, _ in clip.scale_errors]
+        raise RuntimeError(f"qk_clip of {names}: {clip.scale_errors[0][1]}")
+    return stops, confirmed, failed + events
+
+
+def books_hash(clip: QKClip) -> float:
+    """A number that differs where two ranks' QK-clip books differ (the vote's)."""
+    w = torch.arange(1, clip.clips.numel() + 1, dtype=torch.float64)
+    pending = torch.nan_to_num(clip.pending, nan=-1.0)
+    return float(((clip.clips + 3 * clip.stopped + 7 * clip.pending_step) * w).sum()
+                 + (pending * w.sqrt()).sum())
+
+
+def clip_layers(table: HeadTable) -> list[tuple]:
+    """QK-clip's books over every layer of the table: (name, offset, heads, K heads,
+    QK-norm) from the facts its first holder gave at attach (flashwatch/watcher.py)."""
+    out = []
+    for name, heads in table.layers:
+        facts = table.layer_facts(name)
+        out.append((name, table.offset(name), heads, int(facts.get("kv_heads", heads)),
+                    facts.get("qk_norm")))
+    return out
