@@ -226,7 +226,7 @@ def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, e
         p = p.nan_to_num_(0.0)  # backend), not NaN
     kv = kv32 if rows.elems_dev is None else kv32[rows.elems_dev]
     E = p.shape[0]
-    opk = torch.matmul(p.view(E, G, -1, Nk), kv).view(E, H, -1, D + Dv)
+    opk = fp32_matmul(p.view(E, G, -1, Nk), kv).view(E, H, -1, D + Dv)
     o32, pk = opk[..., D:], opk[..., :D]
     if not every:
         return Recomputed(o32, pk, None, None)
@@ -234,6 +234,32 @@ def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, e
     if len(tied) == 1:
         return Recomputed(o32, pk, tied[0], top[0], visible)
     return Recomputed(o32, pk, torch.stack(tied).sum(0), torch.stack(top).amax(0), visible)
+
+
+def tf32_allowed(device: torch.device) -> bool:
+    """May cuBLAS run an FP32 matmul on `device` in TF32 (10-bit mantissa)? It does where
+    the user allowed it: `torch.backends.cuda.matmul.allow_tf32 = True` (the Hugging Face
+    Trainer's `tf32=True`), `torch.set_float32_matmul_precision("high")` (what Lightning
+    suggests on every run), `fp32_precision = "tf32"`. Read, never set: setting the flag
+    through the other of torch's two APIs makes the user's next read of it raise."""
+    if device.type != "cuda":
+        return False
+    try:
+        return torch.backends.cuda.matmul.fp32_precision == "tf32"
+    except Exception:  # torch cannot say (the two APIs mixed): assume it may
+        return True
+
+
+def fp32_matmul(p: torch.Tensor, b: torch.Tensor, matmul=torch.matmul) -> torch.Tensor:
+    """p @ b in FP32 for FP32 p (softmax weights) and a BF16-valued b ([K V] as the kernel
+    read them), also where TF32 is allowed: TF32 would round p to a 10-bit mantissa,
+    ≈ 5e-4 relative, a quarter of the BF16 rounding the δ error measures. There p is
+    split into its BF16 part (exact in TF32, as b is) and the rest, 2^-8 smaller, whose
+    TF32 rounding is ≈ 2e-6 of p: two matmuls, FP32 accumulation. CPUs (no TF32): one."""
+    if not tf32_allowed(p.device):
+        return matmul(p, b)
+    hi = p.bfloat16().float()
+    return matmul(hi, b) + matmul(p - hi, b)
 
 
 def _top_two(s):

@@ -384,3 +384,49 @@ def test_a_watched_windowed_call_is_probed_with_its_window(monkeypatch):
     (b, t), o32 = seen[0]
     assert (o32.double() - _rows(windowed, b, t)).abs().max() < 2e-2
     assert (o32.double() - _rows(full, b, t)).abs().max() > 0.1  # the window matters here
+
+
+def _tf32_matmul(a, b):
+    """A GPU's FP32 matmul with TF32 allowed, emulated: each operand rounded to TF32's
+    10-bit mantissa (round to nearest), products summed in FP64, the result in FP32."""
+    def tf32(x):
+        i = x.contiguous().view(torch.int32)
+        return ((i + 0x1000) & ~0x1FFF).view(torch.float32)
+    return torch.matmul(tf32(a).double(), tf32(b).double()).float()
+
+
+def test_the_fp32_softmax_product_stays_fp32_exact_where_tf32_is_allowed(monkeypatch):
+    """P · [K V] with FP32 softmax weights P and BF16-valued K, V: TF32 rounding of P
+    costs ≈ 5e-4 relative (a quarter of the BF16 rounding the δ error measures); the
+    split into P's BF16 part and the rest keeps it within 1e-5 of the FP64 product."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(3 * torch.randn(2, 4, 16, 200, generator=g), -1)
+    kv = torch.randn(2, 4, 200, 48, generator=g).bfloat16().float()
+    truth = p.double() @ kv.double()
+
+    def rel(x):
+        return float((x.double() - truth).abs().max() / truth.abs().max())
+
+    assert rel(_tf32_matmul(p, kv)) > 1e-4  # the hazard, unsplit
+    monkeypatch.setattr(probe, "tf32_allowed", lambda device: True)
+    assert rel(probe.fp32_matmul(p, kv, matmul=_tf32_matmul)) < 1e-5
+    assert rel(probe.fp32_matmul(p, kv)) < 1e-6  # FP32 matmuls (the CPU's) as well
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_the_probe_s_fp32_rows_go_through_the_tf32_safe_product(monkeypatch, allowed):
+    """The probe's O_fp32 of sampled rows under an emulated TF32 matmul: within 1e-5 of
+    FP64 when the split runs (TF32 allowed), ≥ 1e-4 off if it did not."""
+    import functools
+
+    g = torch.Generator().manual_seed(1)
+    B, H, N, D = 2, 3, 64, 16
+    q, k, v = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(3))
+    elems, tq = None, torch.arange(N).expand(B, N)
+    want = math_attention(q, k, v, causal=True, scale=0.7, dtype=torch.float64)
+    monkeypatch.setattr(probe, "tf32_allowed", lambda device: allowed)
+    monkeypatch.setattr(probe, "fp32_matmul",
+                        functools.partial(probe.fp32_matmul, matmul=_tf32_matmul))
+    o32, _, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=0.7, eps=1e-3)
+    err = float((o32.double() - _flat(want)).abs().max() / want.abs().max())
+    assert (err < 1e-5) if allowed else (err > 1e-4), err
