@@ -414,6 +414,31 @@ def real_model(device: str, name: str, sizes, dry: bool) -> dict:
             "step_s": m["monitored"]["step"], "errors": r["errors"]}
 
 
+def tf32_probe(device: str, dry: bool) -> dict:
+    """The probe's FP32 softmax · [K V] (flashwatch/monitor/probe.py fp32_matmul) with TF32
+    allowed, against FP64: the split keeps it within 1e-5 where a plain TF32 matmul is
+    ≈ 5e-4 off (--dry-run on the CPU: no TF32, both FP32)."""
+    from flashwatch.monitor import probe
+
+    B, H, N = (2, 2, 128) if dry else (8, 16, 1024)
+    g = torch.Generator(device=device).manual_seed(0)
+    p = torch.softmax(3 * torch.randn(B, H, 64, N, generator=g, device=device), -1)
+    kv = torch.randn(B, H, N, 256, generator=g, device=device).bfloat16().float()
+    truth = p.double() @ kv.double()
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        split, plain = probe.fp32_matmul(p, kv), p @ kv
+        allowed = probe.tf32_allowed(p.device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    top = float(truth.abs().max())
+    err_split = float((split.double() - truth).abs().max()) / top
+    err_plain = float((plain.double() - truth).abs().max()) / top
+    return {"ok": err_split < 1e-5, "tf32_allowed_seen": allowed,
+            "rel_err_split": err_split, "rel_err_plain_tf32": err_plain}
+
+
 STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead",
           "t": "the Triton test files, compiled"}
 # (t): the CPU suite's Triton tests (interpreter-sized shapes: masks, softcap, ragged
@@ -447,7 +472,8 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
 
     checks = {
         "a": [("warm", lambda: warm(cfg, dry))] + [
-            (key(*p), lambda p=p: check_correct(cfg, *p)) for p in cfg["grid"]],
+            (key(*p), lambda p=p: check_correct(cfg, *p)) for p in cfg["grid"]] + [
+            ("tf32_probe", lambda: tf32_probe(cfg["device"], dry))],
         "b": [(key(*p), lambda p=p: check_speed(cfg, *p)) for p in cfg["grid"]] + [
             ("tuned_configs", tuned_configs),
             ("masked", lambda: check_masked(cfg, *cfg["grid"][0][:2]))],

@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ("N48_D16_causal", "N40_D16_full")
-CHECKS = {"a": ("warm",) + GRID, "b": GRID + ("tuned_configs", "masked"),
+CHECKS = {"a": ("warm",) + GRID + ("tf32_probe",), "b": GRID + ("tuned_configs", "masked"),
           "c": ("eager", "compiled", "reduce_overhead", "real_model_gpt2", "real_model_smollm"),
           "t": tuple(p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_triton_*.py"))
                      if p.name != "test_triton_tuning.py")}
@@ -52,6 +52,8 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
             assert all(res["counters"][k] for k in ("tied", "guarded", "rows", "max_logit"))
             assert sum(res["counters"]["tied_rows"]) > 0
             assert sum(res["counters"]["guarded_rows"]) > 0  # odd heads pass the guard
+        tf32 = got["tf32_probe"]["result"]  # the CPU has no TF32: exact either way
+        assert tf32["tf32_allowed_seen"] is False and tf32["rel_err_split"] < 1e-6
     if stage == "b":
         res = got[GRID[0]]["result"]
         assert set(res["variants"]) == {"sdpa_flash", "counters_off", "counters_on",
