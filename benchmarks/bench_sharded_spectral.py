@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-from flashwatch.parallel import sharding as fw_dist  # noqa: E402
+from flashwatch.parallel import power  # noqa: E402
 from flashwatch.signals.spectral import gram_norm, power_iteration  # noqa: E402
 from flashwatch.sites import find_sites  # noqa: E402
 
@@ -53,7 +53,7 @@ def _worker(rank, world, init_file, args):
     H, C = args.heads, args.d_model
 
     def sharded(v):
-        return fw_dist.spectral_norm(site, v, 4)
+        return power.spectral_norm(site, v, 4)
 
     def gathered(v):
         return power_iteration(site.wq().full_tensor().float(), v, 4)

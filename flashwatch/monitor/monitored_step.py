@@ -37,7 +37,7 @@ from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.parallel import layout, reduce
 from flashwatch.parallel.layout import HeadTable
-from flashwatch.parallel.sharding import RemoteFailure, spectral_norms
+from flashwatch.parallel.power import RemoteFailure, spectral_norms
 from flashwatch.report import metrics
 from flashwatch.report.records import HeadRecord, StepReport
 from flashwatch.signals.drift import HeadSignals, SignalValues

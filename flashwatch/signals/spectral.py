@@ -15,7 +15,7 @@ warm start needed 8-48 iterations between monitored steps 10 apart early in trai
 of the CPU benchmark GPT, against ≈ 0.5 ms here. Cost: the Gram H·d²·d_model·2 flops,
 then 3·GRAM_ROUNDS squarings of H·d³·2 flops, once.
 
-`power_iteration` (sharded W^Q, flashwatch/parallel/sharding.py, where no process holds a head's
+`power_iteration` (sharded W^Q, flashwatch/parallel/power.py, where no process holds a head's
 rows together): one product with W and one with Wᵀ per iteration, batched over heads.
 A warm start from the previous step's vector needs only a few iterations
 (`WatchConfig.power_iters`, default 4) when W^Q moves little between monitored steps.
@@ -171,7 +171,7 @@ def power_iteration(W: torch.Tensor, v: torch.Tensor | None = None, iters: int =
 
 def iterate(step, v: torch.Tensor, start, *, iters: int, tol: float, cold: bool,
             max_iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The power-iteration loop for plain and sharded W^Q alike (flashwatch/parallel/sharding.py):
+    """The power-iteration loop for plain and sharded W^Q alike (flashwatch/parallel/power.py):
     step(v) -> (WᵀW v [H, b], ‖W v‖² [H]); start() -> the seeded vectors that replace a
     head's v when its σ comes out non-finite. Returns (σ [H], v [H, b])."""
     sigma = torch.zeros(v.shape[0], dtype=v.dtype, device=v.device)

@@ -1,4 +1,5 @@
-"""flashwatch/parallel/sharding.py: W^Q spectral norms of sharded weights, on 2 gloo ranks:
+"""flashwatch/parallel/power.py (and sharding.py's rows): W^Q spectral norms of sharded
+weights, on 2 gloo ranks:
 a DTensor q_proj whose shard boundary splits a head, FSDP2 `fully_shard` with the
 watcher attached before or after sharding, and DDP; DDP and FSDP2 under torch.compile."""
 
@@ -12,6 +13,7 @@ from torch import nn
 
 import flashwatch as fw
 from examples.gpt import GPT, GPTConfig
+from flashwatch.parallel import power
 from flashwatch.parallel import sharding as fw_dist
 from flashwatch.sites import find_sites
 
@@ -99,9 +101,9 @@ def _worker(rank, world, init_file, out_dir):
     attn.q_proj.weight = nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
     rows, head, _ = fw_dist.local_wq_rows(site)
     result["rows"] = head.tolist()
-    sigma, v = fw_dist.spectral_norm(site, None, 4)
+    sigma, v = power.spectral_norm(site, None, 4)
     result["dtensor"] = (sigma, _exact(full.unflatten(0, (3, 5))))
-    result["warm"] = fw_dist.spectral_norm(site, v * 0.5 + 0.1, 4)[0]
+    result["warm"] = power.spectral_norm(site, v * 0.5 + 0.1, 4)[0]
 
     # GPT-2's Conv1D shards W^Q's columns: the gathering fallback, found after sharding.
     import standins
@@ -114,7 +116,7 @@ def _worker(rank, world, init_file, out_dir):
     site2 = next(s for s in find_sites(gpt2) if s.module is attn2)
     assert fw_dist.local_wq_rows(site2) is None
     C, H = full2.shape[0], attn2.num_heads
-    result["conv1d"] = (fw_dist.spectral_norm(site2, None, 4)[0],
+    result["conv1d"] = (power.spectral_norm(site2, None, 4)[0],
                         _exact(full2.T[:C].unflatten(0, (H, C // H))))
 
     # FSDP2, the watcher attached before and after fully_shard.
@@ -344,7 +346,7 @@ def test_spectral_norms_batches_plain_sites_and_keeps_each_ones_failure_its_own(
     read gets its exception and leaves the others' norms alone. batch_bytes=1: one layer
     per batch (large models)."""
     if batch_bytes is not None:
-        monkeypatch.setattr(fw_dist, "BATCH_BYTES", batch_bytes)
+        monkeypatch.setattr(power, "BATCH_BYTES", batch_bytes)
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**SMALL))
     other = GPT(GPTConfig(**{**SMALL, "n_embd": 48, "n_head": 3}))
@@ -354,7 +356,7 @@ def test_spectral_norms_batches_plain_sites_and_keeps_each_ones_failure_its_own(
     sites.insert(1, broken)
     vs = [None] * len(sites)
     for _ in range(2):  # cold, then warm from the returned vectors
-        got = fw_dist.spectral_norms(sites, vs, 4, tol=1e-10, max_iters=500)
+        got = power.spectral_norms(sites, vs, 4, tol=1e-10, max_iters=500)
         assert isinstance(got[1], RuntimeError)
         for i in (0, 2, 3):
             sigma, v = got[i]

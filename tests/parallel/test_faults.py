@@ -123,12 +123,12 @@ def _arm_target(scenario, rank, computed):
     what the healthy rank computed, where a scenario records it."""
     import flashwatch.mitigation.qkclip as fqk
     import flashwatch.monitor.samples as fsamples
+    import flashwatch.parallel.power as fpower
     import flashwatch.parallel.reduce as freduce
-    import flashwatch.parallel.sharding as fdist
     from flashwatch.mitigation.policy import Policy
 
-    targets = {"probe_totals": (fsamples, "totals"), "spectral_plain": (fdist, "gram_norm"),
-               "spectral_sharded": (fdist, "local_power_step"),
+    targets = {"probe_totals": (fsamples, "totals"), "spectral_plain": (fpower, "gram_norm"),
+               "spectral_sharded": (fpower, "local_power_step"),
                "reduction": (freduce, "_pack"), "policy": (Policy, "decide"),
                "qk_clip": (fqk, "clip_factors"),  # before the vote
                "qk_clip_scale": (fqk, "plan_scaling"),  # after it: one site's channels
@@ -317,5 +317,5 @@ def test_a_failure_at_any_torch_call_under_fsdp2_x_tp_leaves_all_four_ranks_trai
     fired = [p for p in r1["points"] if p["fired"]]
     assert len(r1["points"]) >= r1["calls"] // 9 and len(fired) > 0.8 * len(r1["points"])
     places = {p["fired"].split(" at ")[1].split(":")[0] for p in fired}
-    assert {"parallel/sharding.py", "mitigation/qkclip.py"} <= places
+    assert {"parallel/power.py", "mitigation/qkclip.py"} <= places
     assert fault_sweep.check_all(results, "fsdp2_tp") == []
