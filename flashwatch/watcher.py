@@ -379,14 +379,15 @@ class Watcher:
         """A layer watched whole whose Q, K, V Linears `parallelize_module` split since
         (watch, then parallelize): this rank watches its own heads of it from now on, at
         their global indices, as if it had attached after (None), or why not."""
-        site = split_by_tensor_parallelism(st.site)
-        if isinstance(site, str):
-            return site
-        i = next(j for j, s in enumerate(self.sites) if s is st.site)
         try:
-            self._pipeline.narrow(st, site)
-        except ValueError as e:  # e.g. QK-clip cannot scale this layout's rows
-            return str(e)
+            site = split_by_tensor_parallelism(st.site)
+            if isinstance(site, str):
+                return site
+            i = next(j for j, s in enumerate(self.sites) if s is st.site)
+            self._pipeline.narrow(st, site)  # all or nothing
+        except Exception as e:  # e.g. QK-clip cannot scale this layout's rows
+            self._ledger.error(f"narrowing {st.site.name}", e)
+            return f"narrowing it failed ({type(e).__name__}: {e})"
         self.sites[i] = site
         self._set_modes(st, st.modes)
         return None

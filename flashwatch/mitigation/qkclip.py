@@ -27,8 +27,9 @@ on monitored steps only; every_n_steps=1 clips at every step as Kimi and Megatro
 
 Sharded weights (FSDP2 / DTensor) are scaled shard-locally: each rank multiplies the
 channels of its local shard by their factors, no communication. `apply()` only plans
-the scaling (`writes`); `commit()` writes it, which a monitored step does on every rank
-or on none (flashwatch/monitor/clipping.py), so replicas keep equal weights.
+the scaling (`writes`); `commit()` writes it and `rollback()` undoes that, which a
+monitored step uses to write it on every rank or on none (flashwatch/monitor/clipping.py),
+so replicas keep equal weights.
 
 QK-norm (a norm on q and k after the projection: Qwen3, Qwen3-Next, Gemma3 `q_norm`,
 OLMo2, `q_layernorm`...) undoes any scaling of W^Q and W^K: the clip would shrink the
@@ -114,15 +115,22 @@ class QKClip:
         self.stopped = torch.zeros(n, dtype=torch.bool)  # refused or unconfirmed: no clip
         self.scale_errors: list = []  # (site name, exception) of the last apply()
         self.writes: list = []  # the last apply()'s scaled channels, until commit()
+        self.undo: list = []  # the last commit()'s channels as they were, for rollback()
         self._confirmed = False  # confirm() ran since the last apply()
 
-    def replace_site(self, i: int, site: AttentionSite, offset: int) -> None:
-        """This rank's i-th layer, split by tensor parallelism after attach: from now on
-        it scales the rows of `site`'s heads (at `offset` in the per-head arrays). The
-        books, kept per global head, are unchanged."""
+    def site_norm(self, site: AttentionSite) -> str | None:
+        """`site`'s QK-norm (`qk_norm`), once QK-clip checked it can scale it (ValueError
+        where it cannot, with qk_clip_threshold set)."""
         if self.config.qk_clip_threshold is not None:
             check_site(site)
-        self.sites[i], self.offsets[i], self.qk_norm[i] = site, offset, qk_norm(site)
+        return qk_norm(site)
+
+    def replace_site(self, i: int, site: AttentionSite, offset: int, norm: str | None
+                     ) -> None:
+        """This rank's i-th layer, split by tensor parallelism after attach: from now on
+        it scales the rows of `site`'s heads (at `offset` in the per-head arrays; `norm`:
+        `site_norm(site)`). The books, kept per global head, are unchanged."""
+        self.sites[i], self.offsets[i], self.qk_norm[i] = site, offset, norm
 
     @property
     def total(self) -> int:
@@ -224,9 +232,17 @@ class QKClip:
         return events
 
     def commit(self) -> None:
-        """Write the last apply()'s scaled channels into the weights."""
-        writes, self.writes = self.writes, []
+        """Write the last apply()'s scaled channels into the weights, keeping the old
+        values (a few rows a clipped head) for `rollback`."""
+        writes, self.writes, self.undo = self.writes, [], []
+        with torch.no_grad():
+            self.undo = [(channels, channels.clone()) for channels, _ in writes]
         write(writes)
+
+    def rollback(self) -> None:
+        """Put back the channels the last commit() wrote (or began to)."""
+        undo, self.undo = self.undo, []
+        write(undo)
 
     def _clip_events(self, step, name, off, kv, e, max_logit, modes) -> list[Event]:
         tau, alpha = self.config.qk_clip_threshold, self.config.qk_clip_alpha

@@ -123,8 +123,11 @@ class Recorder(ProbeRecorder):
                 and callable(getattr(getattr(st.site.q_module, "weight", None), "to_local",
                                      None)):
             # watched whole, then split by parallelize_module: from now on this rank
-            # watches its own heads (flashwatch/sites/discovery.py)
-            why = self.split(st) if self.split is not None else "nothing narrows it here"
+            # watches its own heads (flashwatch/sites/discovery.py); tried once a step
+            why = st.buf.split_refused
+            if why is None:
+                why = self.split(st) if self.split is not None else "nothing narrows it here"
+                st.buf.split_refused = why
             if why is None:
                 log.info("flashwatch: %s was split by tensor parallelism after "
                          "flashwatch.watch attached: this rank watches its heads %d..%d of %d",

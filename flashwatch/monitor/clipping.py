@@ -7,12 +7,15 @@ planned before the vote, booked and scaled after it, and written on every rank o
                 new clips) and scales the channels it holds into new tensors, nothing
                 written; one 1-value MAX (agreement.Agreement.all_ready), issued by every
                 rank whenever a clip was planned, whatever raised before it, says whether
-                all succeeded; then every rank writes its channels, or none does and the
-                books go back to where they were. Written on one rank only, a clip would
-                leave DDP replicas with different weights for the rest of the run (DDP
-                never compares them): tests/parallel/test_faults.py injects a failure into
-                the scaling and into the books on one rank.
-    books_hash  the books in the vote's hash: a rank whose books differ anyway (a
+                all succeeded; then every rank writes its channels (keeping the old
+                values), a second 1-value MAX says whether every write succeeded, and
+                where one failed every rank puts its channels back; where nothing is
+                written, or it is put back, the books go back to where they were.
+                Written on one rank only, a clip would leave DDP replicas with different
+                weights for the rest of the run (DDP never compares them):
+                tests/parallel/test_faults.py injects failures into the scaling, the
+                books and the write on one rank.
+    books_bytes the books in the vote's hash: a rank whose books differ anyway (a
                 failed roll-back) is healed with the others' in the vote's broadcast.
 """
 
@@ -52,20 +55,28 @@ def run(clip: QKClip, agreement: Agreement, ledger: ErrorLedger, step: int, a,
         booked = _book(clip, step, a, max_logit, modes(), refused_here, table)
     except Exception as e:
         ledger.error("qk_clip", e)
-    if not agreement.all_ready(booked is not None):  # a collective: every rank issues it
-        clip.writes = []
-        if books is not None:
-            try:
-                clip.load_state_dict(books)
-            except Exception as e:
-                ledger.error("qk_clip", e)
-        return [], []
+    if agreement.all_ready(booked is not None):  # a collective: every rank issues it
+        written = True
+        try:
+            clip.commit()
+        except Exception as e:
+            ledger.error("qk_clip", e)
+            written = False
+        if agreement.all_ready(written):  # the second: every rank wrote all of it
+            stops, confirmed, rest = booked
+            return stops + confirmed + rest, confirmed
+        _undo(ledger, clip.rollback)
+    clip.writes = []
+    if books is not None:
+        _undo(ledger, lambda: clip.load_state_dict(books))
+    return [], []
+
+
+def _undo(ledger: ErrorLedger, fn) -> None:
     try:
-        clip.commit()
-    except Exception as e:  # after the commit vote: nothing left to agree on
+        fn()
+    except Exception as e:
         ledger.error("qk_clip", e)
-    stops, confirmed, rest = booked
-    return stops + confirmed + rest, confirmed
 
 
 def _book(clip: QKClip, step: int, a, max_logit, modes, refused_here: dict,
@@ -89,12 +100,16 @@ def _book(clip: QKClip, step: int, a, max_logit, modes, refused_here: dict,
     return stops, confirmed, failed + events
 
 
-def books_hash(clip: QKClip) -> float:
-    """A number that differs where two ranks' QK-clip books differ (the vote's)."""
-    w = torch.arange(1, clip.clips.numel() + 1, dtype=torch.float64)
-    pending = torch.nan_to_num(clip.pending, nan=-1.0)
-    return float(((clip.clips + 3 * clip.stopped + 7 * clip.pending_step) * w).sum()
-                 + (pending * w.sqrt()).sum())
+def books_bytes(clip: QKClip) -> bytes:
+    """Every tensor of the QK-clip books as bytes, NaN made one value (the vote hashes
+    them: flashwatch/monitor/monitored_step.py)."""
+    parts = []
+    for key in qkclip.STATE:
+        t = getattr(clip, key).detach().cpu()
+        if t.is_floating_point():
+            t = torch.nan_to_num(t, nan=-1.0, posinf=-2.0, neginf=-3.0)
+        parts.append(t.contiguous().numpy().tobytes())
+    return b"".join(parts)
 
 
 def clip_layers(table: HeadTable) -> list[tuple]:

@@ -53,13 +53,18 @@ class HeadModes:
         self.withdrawn: list = []  # copies of events withdrawn by the last exchange
 
     def relayout(self) -> None:
-        """The global heads this rank's layers hold (`positions`, in its layers' order,
-        and the `held` mask), read again after a layer was split by tensor parallelism."""
-        positions = (torch.cat([st.heads for st in self.states]) if self.states
-                     else torch.zeros(0, dtype=torch.int64))
+        self.positions, self.held = self.layout()
+
+    def layout(self, heads: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, held): the global heads this rank's layers hold, in its layers'
+        order, and as a mask over the table; `heads` {id(state): heads} in place of a
+        state's own (a layer about to be narrowed to its tensor-parallel part)."""
+        heads = heads or {}
+        parts = [heads.get(id(st), st.heads) for st in self.states]
+        positions = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
         held = torch.zeros(len(self.keys), dtype=torch.bool)
         held[positions] = True
-        self.positions, self.held = positions, held
+        return positions, held
 
     # ----------------------------------------------------------------- setting modes
 

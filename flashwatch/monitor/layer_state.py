@@ -59,6 +59,9 @@ class StepBuffers:
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     forwards: int = 0  # measured eager forwards of the module (flashwatch/monitor/attach.py)
     calls: int = 0  # attention calls of ours seen in them (SDPA or flashwatch.attention)
+    # why the layer, split by tensor parallelism after attach, could not be narrowed this
+    # step (tried once a step: flashwatch/monitor/capture.py)
+    split_refused: str | None = None
 
     @classmethod
     def fresh(cls, num_heads: int, device) -> StepBuffers:
@@ -167,24 +170,27 @@ class LayerState:
             return self.unmitigable  # not called since: the last thing known
         return None
 
-    def narrow(self, site: AttentionSite, offset: int) -> None:
+    def narrowed(self, site: AttentionSite, offset: int) -> dict:
         """The layer, watched whole, now split by tensor parallelism: `site` is this
         rank's part of it (heads [site.head_offset, + site.num_heads) of the ones it
-        held), at `offset` in the head table. Modes keep each head's own; the step's
-        buffers restart for the local heads, keeping what the current forward already
-        recorded (the call's X, the forward count)."""
+        held), at `offset` in the head table. Returns the fields `narrow` sets, made
+        here (a failure changes nothing): modes keep each head's own; the step's buffers
+        restart for the local heads, keeping what the current forward already recorded
+        (the call's X, the forward count)."""
         lo, h = site.head_offset, site.num_heads
         old = self.buf
-        device = old.stats.rows.device if old is not None else "cpu"
-        # everything made first, then assigned: a failure leaves the layer as it was
-        modes, heads = self.modes[lo:lo + h].clone(), torch.arange(offset, offset + h)
-        check = QCheck(site) if site.q_module is not None else None
-        buf = StepBuffers.fresh(h, device)
+        buf = StepBuffers.fresh(h, old.stats.rows.device if old is not None else "cpu")
         if old is not None:
             buf.x, buf.forwards, buf.calls = old.x, old.forwards, old.calls
-        self.site, self.offset, self.modes, self.heads = site, offset, modes, heads
-        self.q_check, self.buf, self.power_v = check, buf, None
-        self.device_cache.clear()
+        return dict(site=site, offset=offset, modes=self.modes[lo:lo + h].clone(),
+                    heads=torch.arange(offset, offset + h), buf=buf, power_v=None,
+                    q_check=QCheck(site) if site.q_module is not None else None,
+                    device_cache={})
+
+    def narrow(self, fields: dict) -> None:
+        """Take the fields `narrowed` made (plain assignments)."""
+        for name, value in fields.items():
+            setattr(self, name, value)
 
     def reset(self) -> None:
         """Fresh step buffers, on the device the last step's calls ran on."""

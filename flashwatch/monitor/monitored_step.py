@@ -20,6 +20,7 @@ steps 3, 5 and 8 are issued on every rank in the same order and shapes regardles
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.parallel import layout, reduce
 from flashwatch.parallel.layout import HeadTable
-from flashwatch.parallel.power import RemoteFailure, spectral_norms
+from flashwatch.parallel.power import NotNarrowed, RemoteFailure, spectral_norms
 from flashwatch.report import metrics
 from flashwatch.report.records import HeadRecord, StepReport
 from flashwatch.signals.drift import HeadSignals, SignalValues
@@ -100,11 +101,13 @@ class StepPipeline:
         the replica counts travel in every exchange (aggregate.HOLDERS)."""
         i = next(j for j, s in enumerate(self.states) if s is st)
         offset = self.table.offset(site.name, site.head_offset)
-        self.qk_clip.replace_site(i, site, offset)  # first: it may refuse the site
-        st.narrow(site, offset)
-        self.book.relayout()
-        self.positions, self.held = self.book.positions, self.book.held
-        self.qk_clip.replace_site(i, site, st.offset)
+        # everything made first (any of it may raise), then assigned: all or nothing
+        fields = st.narrowed(site, offset)
+        positions, held = self.book.layout({id(st): fields["heads"]})
+        norm = self.qk_clip.site_norm(site)
+        st.narrow(fields)
+        self.book.positions, self.book.held = self.positions, self.held = positions, held
+        self.qk_clip.replace_site(i, site, offset, norm)
 
     @property
     def unreported(self) -> list:
@@ -233,7 +236,7 @@ class StepPipeline:
         out = []
         for st, got in zip(self.states, norms, strict=True):
             if isinstance(got, Exception):
-                if not isinstance(got, RemoteFailure):  # counted where it happened
+                if not isinstance(got, RemoteFailure | NotNarrowed):  # counted where it happened
                     self.ledger.error(f"spectral norm {st.site.name}", got)
                 out.append(torch.full((st.site.num_heads,), math.nan, dtype=torch.float64))
                 continue
@@ -326,11 +329,11 @@ class StepPipeline:
         """What the vote compares: every head's modes and, with QK-clip on, its books
         (a failure on one rank while booking a clip must not leave the ranks deciding
         different clips from then on: the heal sends them too)."""
-        modes = self.global_modes().double()
-        h = float((modes * torch.arange(1, modes.numel() + 1, dtype=torch.float64)).sum())
+        h = hashlib.blake2b(self.global_modes().to(torch.int64).numpy().tobytes(),
+                            digest_size=8)
         if self.config.qk_clip_threshold is not None:
-            h += clipping.books_hash(self.qk_clip)
-        return h
+            h.update(clipping.books_bytes(self.qk_clip))
+        return float(int.from_bytes(h.digest(), "little") >> 12)  # 52 bits: exact in a float
 
     def _state(self) -> dict:
         """What a disagreeing vote's source rank sends (agreement.Agreement.heal)."""

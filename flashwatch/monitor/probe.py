@@ -252,10 +252,12 @@ def tf32_allowed(device: torch.device) -> bool:
 
 def fp32_matmul(p: torch.Tensor, b: torch.Tensor, matmul=torch.matmul) -> torch.Tensor:
     """p @ b in FP32 for FP32 p (softmax weights) and a BF16-valued b ([K V] as the kernel
-    read them), also where TF32 is allowed: TF32 would round p to a 10-bit mantissa,
-    ≈ 5e-4 relative, a quarter of the BF16 rounding the δ error measures. There p is
-    split into its BF16 part (exact in TF32, as b is) and the rest, 2^-8 smaller, whose
-    TF32 rounding is ≈ 2e-6 of p: two matmuls, FP32 accumulation. CPUs (no TF32): one."""
+    read them), also where TF32 is allowed: TF32 would round p to a 10-bit mantissa
+    (unit roundoff 2^-11, an eighth of BF16's 2^-8: ≈ 5e-4 relative on the product, the
+    same order as the δ error it measures). There p is split into its BF16 part (exact in
+    TF32, as b is) and the rest, 2^-8 smaller, whose TF32 rounding is ≈ 2e-6 of p: two
+    matmuls, FP32 accumulation. CPUs (no TF32): one. FP32-valued K and V (a model
+    trained in FP32, no autocast) stay rounded to TF32, as the model's own attention is."""
     if not tf32_allowed(p.device):
         return matmul(p, b)
     hi = p.bfloat16().float()

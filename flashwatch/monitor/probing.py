@@ -87,6 +87,14 @@ class ProbeRecorder:
         gradient arrives through torch.ops.flashwatch.probe_grad (`traced_grad`)."""
         if not self.cadence.measuring or self.cadence.removed or recomputing():
             return -1  # a checkpoint's recompute inside the compiled backward: counted
+        if q.dim() == 4 and q.shape[1] != st.site.num_heads:
+            # not the layer's heads (split by tensor parallelism after this graph was
+            # traced, a folded decode call): as the eager path, never misattributed
+            st.compiled.sdpa_seen = False  # not traceable: the next one runs eagerly (narrows)
+            self.warn_once(st, "heads", f"flashwatch: {st.site.name}: a compiled attention "
+                           f"call with {q.shape[1]} heads, not the layer's "
+                           f"{st.site.num_heads}; not measured")
+            return -1
         t0 = time.perf_counter()
         call = -1
         try:

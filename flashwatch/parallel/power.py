@@ -33,6 +33,7 @@ from flashwatch.parallel.sharding import (
     is_dtensor,
     is_row_sharded,
     local_wq_rows,
+    unnarrowed_tp,
 )
 from flashwatch.signals.spectral import (
     COLD_START_MAX_ITERS,
@@ -43,6 +44,7 @@ from flashwatch.signals.spectral import (
     start_vector,
 )
 from flashwatch.sites.site import AttentionSite
+from flashwatch.sites.weights import fsdp_x_tp
 
 
 def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwargs
@@ -75,6 +77,10 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
     out: list = [None] * len(sites)
     groups: dict = {}
     for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        tp = unnarrowed_tp(site)
+        if tp is not None:
+            out[i] = _unnarrowed(site, tp, iters, monitor, **kwargs)
+            continue
         if is_row_sharded(site):
             out[i] = symmetric_sharded_norm(site, v, iters, monitor, **kwargs)
             continue
@@ -104,6 +110,30 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
                 for i, _ in batch:
                     out[i] = e
     return out
+
+
+class NotNarrowed(RuntimeError):
+    """A layer this rank has not narrowed to its tensor-parallel heads: said (or counted)
+    where that happened, not counted again here."""
+
+
+def _unnarrowed(site: AttentionSite, tp: int, iters: int, monitor, **kwargs) -> Exception:
+    """A layer this rank failed to narrow after tensor parallelism split it
+    (sharding.unnarrowed_tp): no norm here. Under FSDP2 × TP its narrowed peers of the dp
+    group run the sharded power iteration of its local heads: this rank takes part with
+    no rows and its failure flag up, so all of them stop together (RemoteFailure there);
+    under TP alone they compute locally and nothing is issued."""
+    w = site.q_module.weight
+    if fsdp_x_tp(w) and monitor is not None and monitor.distributed:
+        try:
+            host_power_iteration(torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64),
+                                 site.num_heads // tp, site.d_model, None, iters,
+                                 group=monitor.subgroup(w.device_mesh.get_group(0)),
+                                 failed=True, **kwargs)
+        except Exception:
+            pass  # RemoteFailure: this rank's own flag, counted when the narrowing failed
+    return NotNarrowed(f"{site.name} was split by tensor parallelism after attach and is "
+                       f"not narrowed on this rank: no W^Q norm here")
 
 
 class RemoteFailure(RuntimeError):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from flashwatch.sites.site import AttentionSite
-from flashwatch.sites.weights import fsdp_x_tp
+from flashwatch.sites.weights import fsdp_x_tp, tp_hooked
 
 
 def world_size() -> int:
@@ -21,6 +21,21 @@ def world_size() -> int:
 
 def is_dtensor(t) -> bool:
     return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements")
+
+
+def unnarrowed_tp(site: AttentionSite) -> int | None:
+    """The tensor-parallel size of a layer watched whole whose Q Linear parallelize_module
+    split after attach, where this rank has not narrowed it to its own heads yet (the
+    watcher does at the layer's first call: flashwatch/watcher.py `_split`), else None.
+    Its whole-layer W^Q is none of this rank's heads': its norms and gradient rows are
+    not computed, and never by a collective its narrowed peers would not issue."""
+    q = site.q_module
+    if site.global_heads is not None or not isinstance(q, nn.Linear):
+        return None
+    w = getattr(q, "weight", None)
+    if not is_dtensor(w) or not tp_hooked(q):
+        return None
+    return w.device_mesh.size(w.device_mesh.ndim - 1)  # the tp dim: the last
 
 
 def is_row_sharded(site: AttentionSite) -> bool:
@@ -96,6 +111,8 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
+    if unnarrowed_tp(site) is not None:  # not this rank's heads (its failure was counted)
+        return torch.full((H,), float("nan"), dtype=torch.float64, device=grad.device), False
     if site.global_heads is not None and fsdp_x_tp(grad):  # FSDP2 × TP: rows over dp
         rows, head = _tp_rows(site, grad)
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)

@@ -110,8 +110,7 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
     if not (callable(getattr(w, "to_local", None)) and hasattr(w, "placements")):
         return None
     placements = tuple(w.placements)
-    hooked = any("distribute_module" in getattr(h, "__qualname__", "")
-                 for h in getattr(linear, "_forward_pre_hooks", {}).values())
+    hooked = tp_hooked(linear)
     if len(placements) > 1 and (hooked or not under_fsdp):
         if not fsdp_x_tp(w):
             raise ValueError(
@@ -127,6 +126,13 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
     _TP_LINEARS.add(linear)
     mesh = w.device_mesh
     return mesh.get_local_rank(0), mesh.size(0)
+
+
+def tp_hooked(linear: nn.Module) -> bool:
+    """torch's `parallelize_module` (distribute_module) hooked this module's forward: its
+    DTensor weight is tensor parallelism's, not only FSDP2's shard."""
+    return any("distribute_module" in getattr(h, "__qualname__", "")
+               for h in getattr(linear, "_forward_pre_hooks", {}).values())
 
 
 def fsdp_x_tp(w) -> bool:

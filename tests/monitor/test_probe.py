@@ -430,3 +430,27 @@ def test_the_probe_s_fp32_rows_go_through_the_tf32_safe_product(monkeypatch, all
     o32, _, _, _ = _recompute(q, k, v, elems, tq, causal=True, scale=0.7, eps=1e-3)
     err = float((o32.double() - _flat(want)).abs().max() / want.abs().max())
     assert (err < 1e-5) if allowed else (err > 1e-4), err
+
+
+@pytest.mark.parametrize("how", ["legacy_flag", "precision_high", "precision_medium",
+                                 "new_api", "off"])
+def test_tf32_allowed_reads_every_way_a_user_allows_tf32(how):
+    """Read on a CUDA device (flags only: no GPU needed): the Hugging Face Trainer's
+    tf32=True (allow_tf32), Lightning's suggested set_float32_matmul_precision, the
+    new fp32_precision API; and never on a CPU device."""
+    cuda = torch.backends.cuda.matmul
+    before = cuda.fp32_precision
+    try:
+        if how == "legacy_flag":
+            cuda.allow_tf32 = True
+        elif how.startswith("precision_"):
+            torch.set_float32_matmul_precision(how.split("_")[1])
+        elif how == "new_api":
+            cuda.fp32_precision = "tf32"
+        assert probe.tf32_allowed(torch.device("cuda")) is (how != "off")
+        assert probe.tf32_allowed(torch.device("cpu")) is False
+    finally:  # back through the same API (mixing the two makes torch's reads raise)
+        if how == "new_api":
+            cuda.fp32_precision = before
+        else:
+            torch.set_float32_matmul_precision("highest")

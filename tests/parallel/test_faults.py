@@ -29,7 +29,7 @@ SMALL = dict(block_size=16, vocab_size=64, n_layer=2, n_head=4, n_embd=32)
 STEPS, FAULT_STEP = 8, 2
 DDP_SCENARIOS = ("none", "probe_totals", "spectral_plain", "reduction", "policy",
                  "policy_diverges", "rank0_fails", "qk_clip", "qk_clip_scale",
-                 "qk_clip_books", "sink", "state_loading")
+                 "qk_clip_books", "qk_clip_write", "sink", "state_loading")
 FSDP2_SCENARIOS = ("spectral_sharded", "probe_totals")
 
 
@@ -132,7 +132,9 @@ def _arm_target(scenario, rank, computed):
                "reduction": (freduce, "_pack"), "policy": (Policy, "decide"),
                "qk_clip": (fqk, "clip_factors"),  # before the vote
                "qk_clip_scale": (fqk, "plan_scaling"),  # after it: one site's channels
-               "qk_clip_books": (fqk.QKClip, "confirm")}  # after it: the books
+               # after it, once the books changed (the clips pending, before the events)
+               "qk_clip_books": (fqk.QKClip, "_clip_events"),
+               "qk_clip_write": (fqk, "write")}  # after the commit vote: the write itself
     if scenario == "policy_diverges":
         return _diverging_decide(rank), False
     if scenario == "rank0_fails":
@@ -234,6 +236,11 @@ def test_both_ranks_train_to_the_end_with_the_fault_counted_where_it_happened(
     # QK-clip's books stay alike (a rank whose booking failed is healed from the others)
     torch.testing.assert_close(r0["clip_books"], r1["clip_books"], rtol=0, atol=0,
                                equal_nan=True)
+    if scenario.startswith("qk_clip"):  # clipped before and after, not at the fault step
+        steps = [sorted({e.step for e in r["clips"] if e.kind == "qk_clip" and e.applied
+                         and e.reason.startswith("[qk_clip]")}) for r in (r0, r1)]
+        assert steps[0] == steps[1] and FAULT_STEP not in steps[0], steps
+        assert {0, 4, 6} <= set(steps[0]), steps
 
 
 def test_a_diverging_decision_is_healed_to_the_healthy_ranks(results):

@@ -34,26 +34,51 @@ STYLES = ("global_heads", "local_heads", "watched_first_global_heads",
 TAU = 1.5  # QK-clip threshold between the heads' max logits (checked in the test)
 
 
-def _watched(style: str, mesh, **config):
-    """The full model, parallelized and watched in the style's order: watched first
-    (the watcher attached in the model's constructor, the script parallelizing it
-    after), each rank then watching the heads it holds from its first forward on."""
+def _parallelize(model, tp_mesh, dp_mesh=None, local_heads: bool = False):
+    """torchtitan's plan on every block's attention over tp_mesh (ColwiseParallel q, k,
+    v; RowwiseParallel o), the module's head count then set to the local one if asked,
+    and fully_shard over dp_mesh (each block, then the model) if given."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
+    for blk in model.layers.values():
+        parallelize_module(blk.attention, tp_mesh, {
+            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
+            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        if local_heads:
+            blk.attention.num_heads = H // 2
+        if dp_mesh is not None:
+            fully_shard(blk, mesh=dp_mesh)
+    if dp_mesh is not None:
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def _init(rank: int, world: int, init_file: str, two_d: bool = False):
+    """A gloo rank's process group and its mesh: 1-D over every rank, or (dp 2, tp 2)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    return (init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if two_d
+            else init_device_mesh("cpu", (world,)))
+
+
+def _watched(style: str, mesh, **config):
+    """The full model, parallelized and watched in the style's order: watched first
+    (the watcher attached in the model's constructor, the script parallelizing it
+    after), each rank then watching the heads it holds from its first forward on."""
     model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
     config = fw.WatchConfig(every_n_steps=1, rows_per_head="all", collective_timeout_s=60,
                             **config)
     w = fw.watch(model, config=config) if style.startswith("watched_first") else None
-    plan = {"q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()}
-    for blk in model.layers.values():
-        parallelize_module(blk.attention, mesh, plan)
-        if style.endswith("local_heads"):
-            blk.attention.num_heads = H // 2
+    _parallelize(model, mesh, local_heads=style.endswith("local_heads"))
     return model, w or fw.watch(model, config=config)
 
 
@@ -161,29 +186,14 @@ def _fsdp_tp(rank, world, init_file, out_dir, watched_first=False):
     watched_first: the first watcher attaches before parallelize_module and
     fully_shard (the QK-clip one after)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = _init(rank, world, init_file, two_d=True)
     dp, tp = divmod(rank, 2)
     model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
     config = fw.WatchConfig(every_n_steps=1, rows_per_head="all", eps=EPS,
                             collective_timeout_s=60)
     w = fw.watch(model, config=config) if watched_first else None
-    for blk in model.layers.values():
-        parallelize_module(blk.attention, mesh["tp"], {
-            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-            "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
-        fully_shard(blk, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+    _parallelize(model, mesh["tp"], mesh["dp"])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
 
     def train(w, i=0):
@@ -355,17 +365,8 @@ def _attached_before(rank, world, init_file, out_dir):
     from unittest import mock
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = _init(rank, world, init_file)
     said: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
@@ -377,10 +378,7 @@ def _attached_before(rank, world, init_file, out_dir):
         said.clear()
         model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
         w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, collective_timeout_s=60))
-        for blk in model.layers.values():
-            parallelize_module(blk.attention, mesh, {
-                "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(),
-                "v_proj": ColwiseParallel(), "o_proj": RowwiseParallel()})
+        _parallelize(model, mesh)
         tokens = batch(0)
         with mock.patch("flashwatch.watcher.split_by_tensor_parallelism",
                         return_value="a reason of the test") if case == "refused" \
@@ -402,7 +400,7 @@ def test_watched_first_each_rank_says_which_heads_it_watches_or_why_not(tmp_path
     another head's number) and the log says why."""
     for rank, r in enumerate(gloo_ranks(_attached_before, 2, tmp_path)):
         split, refused = r["split"], r["refused"]
-        assert split["errors"] == 0, refused["said"]
+        assert split["errors"] == 0, split["said"]
         for i in range(N_LAYERS):
             line = (f"layers.{i}.attention was split by tensor parallelism after "
                     f"flashwatch.watch attached: this rank watches its heads "
@@ -413,3 +411,64 @@ def test_watched_first_each_rank_says_which_heads_it_watches_or_why_not(tmp_path
         assert all(m != m for m in refused["max_logit"])  # NaN: not measured
         assert any("split by tensor parallelism after attach, but a reason of the test" in s
                    for s in refused["said"]), refused["said"]
+
+
+def _narrowing_fails_once(rank, world, init_file, out_dir):
+    """Watched first, then split (TP over all ranks, or FSDP2 × TP on (dp 2, tp 2)):
+    the first narrowing of layers.0 raises on rank 1 only (as an out-of-memory error
+    would). What each rank saw over three monitored steps."""
+    import torch.distributed as dist
+
+    import flashwatch.monitor.layer_state as layer_state
+
+    two_d = world == 4
+    mesh = _init(rank, world, init_file, two_d)
+    model = Stage(full_model(), list(range(N_LAYERS)), first=True, last=True)
+    w = fw.watch(model, config=fw.WatchConfig(every_n_steps=1, rows_per_head="all",
+                                              collective_timeout_s=60))
+    _parallelize(model, mesh["tp"] if two_d else mesh, mesh["dp"] if two_d else None)
+    real = layer_state.LayerState.narrowed
+    armed = [rank == 1]
+
+    def narrowed(self, site, offset):
+        if armed[0] and site.name == "layers.0.attention":
+            armed[0] = False
+            raise RuntimeError("injected failure while narrowing")
+        return real(self, site, offset)
+
+    layer_state.LayerState.narrowed = narrowed
+    reports = []
+    try:
+        for _ in range(3):
+            tokens = batch(10 + (rank // 2 if two_d else 0))
+            F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB),
+                            tokens[:, 1:].reshape(-1)).backward()
+            reports.append(w.step())
+    finally:
+        layer_state.LayerState.narrowed = real
+    last = reports[-1]
+    torch.save({"errors": w.monitor_errors_total, "broken": w._pipeline.monitor.broken,
+                "steps": [r.step for r in reports if r is not None],
+                "local": [(st.site.name, st.site.head_offset, st.site.num_heads)
+                          for st in w.layer_states],
+                "last": [(h.layer, h.head, h.attention_max_logit, h.wq_spectral_norm)
+                         for h in last.heads]}, f"{out_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp", "fsdp2_x_tp"])
+def test_a_narrowing_that_fails_on_one_rank_neither_hangs_nor_misreports(tmp_path, world):
+    """The failing rank keeps layers.0 whole for that step: no collective of its own
+    (under FSDP2 × TP it takes part in its dp group's power iteration with its failure
+    flag up, so its peers stop with it), the failure counted there only, the layer
+    narrowed at the next step, and the last step's numbers complete and alike on every
+    rank. Before, rank 1 ran the sharded power iteration of the whole layer while rank
+    0 computed locally, and gloo aborted the job ("Received data size doesn't match")."""
+    results = gloo_ranks(_narrowing_fails_once, world, tmp_path, timeout_s=300)
+    for rank, r in enumerate(results):
+        assert r["broken"] is None and r["steps"] == [0, 1, 2], (rank, r)
+        assert (r["errors"] >= 1) if rank == 1 else (r["errors"] == 0), (rank, r["errors"])
+        tp = rank % 2 if world == 4 else rank
+        assert r["local"] == [(f"layers.{i}.attention", 2 * tp, 2) for i in range(N_LAYERS)]
+        assert r["last"] == results[0]["last"]
+        assert all(m == m and s == s for _, _, m, s in r["last"])  # no NaN left
