@@ -382,14 +382,15 @@ class Watcher:
         try:
             site = split_by_tensor_parallelism(st.site)
             if isinstance(site, str):
-                return site
+                return site  # the same on every rank (the module's layout decides)
             i = next(j for j, s in enumerate(self.sites) if s is st.site)
             self._pipeline.narrow(st, site)  # all or nothing
-        except Exception as e:  # e.g. QK-clip cannot scale this layout's rows
+            self.sites[i] = site
+            self._set_modes(st, st.modes)
+        except Exception as e:  # this rank only: the step is a failed one (monitored_step)
             self._ledger.error(f"narrowing {st.site.name}", e)
+            st.buf.split_failed = True
             return f"narrowing it failed ({type(e).__name__}: {e})"
-        self.sites[i] = site
-        self._set_modes(st, st.modes)
         return None
 
     def _set_modes(self, st: LayerState, modes: torch.Tensor) -> None:

@@ -63,8 +63,10 @@ def run(clip: QKClip, agreement: Agreement, ledger: ErrorLedger, step: int, a,
             ledger.error("qk_clip", e)
             written = False
         if agreement.all_ready(written):  # the second: every rank wrote all of it
+            clip.undo = []
             stops, confirmed, rest = booked
             return stops + confirmed + rest, confirmed
+        # a rollback that fails too is counted and leaves this rank's clip in place
         _undo(ledger, clip.rollback)
     clip.writes = []
     if books is not None:

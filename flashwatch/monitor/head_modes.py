@@ -31,6 +31,7 @@ import torch
 
 from flashwatch.kernels.common import Mode
 from flashwatch.monitor.aggregate import HOLDERS
+from flashwatch.parallel.sharding import unnarrowed_tp
 from flashwatch.report.records import Event
 
 SEEN_NOTHING, SEEN_RUN, SEEN_FAILING = 0.0, 1.0, 2.0
@@ -170,7 +171,13 @@ class HeadModes:
         out = {k: torch.where(self.held, v, fill) for k, v in (
             ("mode", self.global_modes().double()), ("ran", self.ran(not_applied).double()),
             ("user_set", self.user_set.double()), ("seen", self.seen.clone()))}
-        out[HOLDERS] = self.held.double()  # summed: how many ranks hold each head
+        # summed: how many ranks hold each head, not counting a layer this rank has not
+        # narrowed to its tensor-parallel heads (it measures none of them)
+        holding = self.held.clone()
+        for st in self.states:
+            if unnarrowed_tp(st.site) is not None:
+                holding[st.offset:st.offset + st.site.num_heads] = False
+        out[HOLDERS] = holding.double()
         return out
 
     # ---------------------------------------------------------- after the exchange

@@ -62,6 +62,7 @@ class StepBuffers:
     # why the layer, split by tensor parallelism after attach, could not be narrowed this
     # step (tried once a step: flashwatch/monitor/capture.py)
     split_refused: str | None = None
+    split_failed: bool = False  # ... because narrowing raised here (not a refusal)
 
     @classmethod
     def fresh(cls, num_heads: int, device) -> StepBuffers:

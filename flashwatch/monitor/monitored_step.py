@@ -164,8 +164,10 @@ class StepPipeline:
                 None)
             if local is not None:
                 local.update(modes)
+        # a layer this rank failed to narrow (tensor parallelism): its heads miss here
+        unsplit = any(st.buf.split_failed for st in self.states)
         self._local("step totals", self.recorder.clear_step, None)
-        red = self._exchange(local, step, failed=measured is None)
+        red = self._exchange(local, step, failed=measured is None or unsplit)
         ran, elsewhere = self._local("modes of other ranks", lambda: self._learn(
             red, not_applied, step), (None, {}))
         decided = self._decide_together(step, red)

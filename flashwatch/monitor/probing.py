@@ -90,7 +90,9 @@ class ProbeRecorder:
         if q.dim() == 4 and q.shape[1] != st.site.num_heads:
             # not the layer's heads (split by tensor parallelism after this graph was
             # traced, a folded decode call): as the eager path, never misattributed
-            st.compiled.sdpa_seen = False  # not traceable: the next one runs eagerly (narrows)
+            if st.site.global_heads is None and callable(
+                    getattr(getattr(st.site.q_module, "weight", None), "to_local", None)):
+                st.compiled.sdpa_seen = False  # split: the next one runs eagerly, narrows
             self.warn_once(st, "heads", f"flashwatch: {st.site.name}: a compiled attention "
                            f"call with {q.shape[1]} heads, not the layer's "
                            f"{st.site.num_heads}; not measured")

@@ -77,6 +77,11 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
     out: list = [None] * len(sites)
     groups: dict = {}
     for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        broken = monitor is not None and monitor.broken is not None  # maybe by a site above
+        if broken and (unnarrowed_tp(site) is not None or is_row_sharded(site)):
+            out[i] = RuntimeError(f"no sharded norm: the monitor's group is unusable since "
+                                  f"{monitor.broken}")  # no collective any more
+            continue
         tp = unnarrowed_tp(site)
         if tp is not None:
             out[i] = _unnarrowed(site, tp, iters, monitor, **kwargs)
@@ -130,10 +135,22 @@ def _unnarrowed(site: AttentionSite, tp: int, iters: int, monitor, **kwargs) -> 
                                  site.num_heads // tp, site.d_model, None, iters,
                                  group=monitor.subgroup(w.device_mesh.get_group(0)),
                                  failed=True, **kwargs)
-        except Exception:
-            pass  # RemoteFailure: this rank's own flag, counted when the narrowing failed
+        except Exception as e:  # RemoteFailure: this rank's own flag, counted already
+            _broken(monitor, e)
     return NotNarrowed(f"{site.name} was split by tensor parallelism after attach and is "
                        f"not narrowed on this rank: no W^Q norm here")
+
+
+class CollectiveFailed(RuntimeError):
+    """An all_reduce of the sharded power iteration raised (its timeout: a partner that
+    never came). The monitor's groups are then broken for good (`_broken`): a late
+    partner would pair a later collective of another size, which gloo answers by
+    aborting the process."""
+
+
+def _broken(monitor, error: Exception) -> None:
+    if isinstance(error, CollectiveFailed) and monitor is not None and monitor.broken is None:
+        monitor.broken = f"a collective failed in the sharded power iteration ({error})"
 
 
 class RemoteFailure(RuntimeError):
@@ -171,6 +188,7 @@ def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **k
                                           group=group, failed=error is not None, **kwargs)
     except Exception as e:
         got = e
+        _broken(monitor, e)
     return error if error is not None else got
 
 
@@ -230,7 +248,10 @@ def host_power_iteration(rows: torch.Tensor, head: torch.Tensor, num_heads: int,
         if not ok:
             buf[:] = 0.0
         buf[-1] = 0.0 if ok else 1.0
-        dist.all_reduce(buf_t, group=group)
+        try:
+            dist.all_reduce(buf_t, group=group)
+        except Exception as e:  # a timeout: a partner never came (callers mark the group)
+            raise CollectiveFailed(f"{type(e).__name__}: {e}") from e
         if buf[-1] > 0:
             if errors:
                 raise errors[0]

@@ -111,8 +111,8 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
     from flashwatch.sites.site import q_rows
 
     H, D = site.num_heads, site.head_dim
-    if unnarrowed_tp(site) is not None:  # not this rank's heads (its failure was counted)
-        return torch.full((H,), float("nan"), dtype=torch.float64, device=grad.device), False
+    if unnarrowed_tp(site) is not None:  # not this rank's heads: nothing to add
+        return torch.zeros(H, dtype=torch.float64, device=grad.device), False
     if site.global_heads is not None and fsdp_x_tp(grad):  # FSDP2 × TP: rows over dp
         rows, head = _tp_rows(site, grad)
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)

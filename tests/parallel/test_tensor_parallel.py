@@ -451,8 +451,12 @@ def _narrowing_fails_once(rank, world, init_file, out_dir):
                 "steps": [r.step for r in reports if r is not None],
                 "local": [(st.site.name, st.site.head_offset, st.site.num_heads)
                           for st in w.layer_states],
+                "first": [(h.layer, h.head, h.attention_max_logit, h.delta_error_sum)
+                          for h in reports[0].heads],
                 "last": [(h.layer, h.head, h.attention_max_logit, h.wq_spectral_norm)
-                         for h in last.heads]}, f"{out_dir}/rank{rank}.pt")
+                         for h in last.heads],
+                "last_delta": [h.delta_error_sum for h in last.heads]},
+               f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -472,3 +476,15 @@ def test_a_narrowing_that_fails_on_one_rank_neither_hangs_nor_misreports(tmp_pat
         assert r["local"] == [(f"layers.{i}.attention", 2 * tp, 2) for i in range(N_LAYERS)]
         assert r["last"] == results[0]["last"]
         assert all(m == m and s == s for _, _, m, s in r["last"])  # no NaN left
+        # the failing step (no optimizer step: the weights and batches of every step are
+        # alike): where every holder measured, the numbers of the last step, not
+        # divided by a holder that measured nothing; layers.0's heads of TP rank 1 only
+        # where its dp peer measured them (FSDP2 x TP: on that peer's batch), else NaN
+        assert str(r["first"]) == str(results[0]["first"])  # alike, NaN included
+        for (layer, head, m, d), (_, _, m2, _), d2 in zip(r["first"], r["last"],
+                                                         r["last_delta"], strict=True):
+            if layer == "layers.0.attention" and head >= 2:
+                assert (m == m) if world == 4 else (m != m and d != d), (layer, head)
+            else:
+                assert m == pytest.approx(m2, rel=1e-6) and d == pytest.approx(d2, rel=1e-5,
+                                                                              abs=1e-12)
