@@ -291,8 +291,8 @@ def sweep(tmp_path_factory):
 def test_a_failure_at_any_torch_call_of_a_monitored_step_leaves_both_ranks_training(
         sweep, kind):
     """Rank 1 raises at one torch call of flashwatch's own code per step (forward probe,
-    backward hooks, step(): 826 calls under DDP, 1,237 under FSDP2 with its sharded
-    power iteration, 1,012 under tensor parallelism), rank 0 never: both ranks train
+    backward hooks, step(): 827 calls under DDP, 1,238 under FSDP2 with its sharded
+    power iteration, 1,013 under tensor parallelism), rank 0 never: both ranks train
     every step to the end, nothing reaches the training loop, the error is counted on
     rank 1 only, the step counts and every head's mode stay equal, the monitor's group
     never breaks, rank 0 reports every step."""
