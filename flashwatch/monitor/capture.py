@@ -33,7 +33,7 @@ from flashwatch.monitor.attach import recomputing
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
-from flashwatch.parallel.sharding import wq_grad_sq
+from flashwatch.parallel.sharding import unnarrowed_tp, wq_grad_sq
 
 log = logging.getLogger("flashwatch")
 
@@ -119,9 +119,8 @@ class Recorder(ProbeRecorder):
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
         why = "a decode step folding query heads?"
-        if q.dim() == 4 and q.shape[1] < st.site.num_heads and st.site.global_heads is None \
-                and callable(getattr(getattr(st.site.q_module, "weight", None), "to_local",
-                                     None)):
+        if q.dim() == 4 and q.shape[1] < st.site.num_heads \
+                and unnarrowed_tp(st.site) is not None:
             # watched whole, then split by parallelize_module: from now on this rank
             # watches its own heads (flashwatch/sites/discovery.py); tried once a step
             why = st.buf.split_refused

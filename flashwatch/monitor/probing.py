@@ -19,6 +19,7 @@ from flashwatch.monitor.attach import recomputing
 from flashwatch.monitor.layer_state import LayerState, to_device
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.tokens import Tokens
+from flashwatch.parallel.sharding import unnarrowed_tp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,8 +91,7 @@ class ProbeRecorder:
         if q.dim() == 4 and q.shape[1] != st.site.num_heads:
             # not the layer's heads (split by tensor parallelism after this graph was
             # traced, a folded decode call): as the eager path, never misattributed
-            if st.site.global_heads is None and callable(
-                    getattr(getattr(st.site.q_module, "weight", None), "to_local", None)):
+            if unnarrowed_tp(st.site) is not None:
                 st.compiled.sdpa_seen = False  # split: the next one runs eagerly, narrows
             self.warn_once(st, "heads", f"flashwatch: {st.site.name}: a compiled attention "
                            f"call with {q.shape[1]} heads, not the layer's "

@@ -220,22 +220,14 @@ def split_by_tensor_parallelism(site: AttentionSite) -> AttentionSite | str:
     inside the forward on whichever rank sees it first."""
     if site.global_heads is not None:
         return "it was already split"
-    children = site.module._modules
-    for names in QKV_NAMES:
-        projs = [children.get(p) for p in names]
-        if all(isinstance(p, nn.Linear) for p in projs):
-            break
-    else:
-        return ("its Q, K, V projections are not separate Linears (a fused projection "
-                "splits into whole heads only with a plan of its own)")
-    if tensor_parallel(projs[0]) is None:
-        return f"{names[0]}'s weight is not sharded on dim 0 by tensor parallelism"
-    where = f"module {site.name!r} ({type(site.module).__name__})"
-    try:
-        new = _match_separate(site.name, site.module, names, projs, where, [])
+    try:  # discovery's own matcher, as on a model attached after parallelize_module
+        new = _match(site.name, site.module, [])
     except ValueError as e:
         return str(e)
-    if new is None or new.global_heads != site.num_heads or new.head_dim != site.head_dim:
+    if new is None or new.global_heads is None:
+        return ("its Q, K, V projections are not separate Linears split on dim 0 (a fused "
+                "projection splits into whole heads only with a plan of its own)")
+    if new.global_heads != site.num_heads or new.head_dim != site.head_dim:
         return (f"its split does not keep its {site.num_heads} heads of width "
                 f"{site.head_dim} whole")
     return new
