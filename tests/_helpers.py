@@ -152,13 +152,49 @@ def fused_o_fp64(q, k, v, scale):
     return (p.to(torch.bfloat16).double() @ v) / p.sum(-1, keepdim=True)
 
 
-def checkpointed(model, how):
+def sac_policy(seen=None):
+    """A selective activation checkpointing policy shaped like torchtitan 0.3's SelectiveAC
+    (MUST_SAVE for matmuls, attention and aten.max, but every second matmul recomputed,
+    counted per pass): it keeps state across ops, as theirs does, so an op that is not
+    the model's shifts what is saved. `seen`: a list that records (is_recompute, op)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    mm = {aten.mm.default, aten.linear.default}
+    save = mm | {aten.bmm.default, aten.addmm.default, aten.max.default,
+                 aten._scaled_dot_product_attention_math.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+    def context():
+        count = {False: 0, True: 0}
+
+        def policy(ctx, func, *args, **kwargs):
+            if seen is not None:
+                seen.append((ctx.is_recompute, func))
+            if func in mm:
+                count[ctx.is_recompute] += 1
+                if count[ctx.is_recompute] % 2 == 0:
+                    return CheckpointPolicy.PREFER_RECOMPUTE
+            return (CheckpointPolicy.MUST_SAVE if func in save
+                    else CheckpointPolicy.PREFER_RECOMPUTE)
+        return create_selective_checkpoint_contexts(policy)
+    return context
+
+
+def checkpointed(model, how, seen=None):
     """model's blocks recomputed in the backward: torch.utils.checkpoint (reentrant or
-    not) on each block's forward, or checkpoint_wrapper around each block."""
+    not, or non-reentrant with the selective policy `sac_policy`) on each block's
+    forward, or checkpoint_wrapper around each block."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
 
+    if how == "selective":
+        for block in model.transformer.h:
+            block.forward = functools.partial(checkpoint, type(block).forward.__get__(block),
+                                              use_reentrant=False,
+                                              context_fn=sac_policy(seen))
+        return model
     if how == "wrapper":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,

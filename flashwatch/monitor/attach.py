@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels import dispatch as _dispatch_mod
 from flashwatch.monitor import traced as _traced
+from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recomputing
 from flashwatch.parallel.pipelining import in_metadata_inference
 
 log = logging.getLogger("flashwatch")
@@ -105,15 +106,6 @@ class _Interceptor(TorchFunctionMode):
             if st is not None:
                 return self.attachment.recorder.on_sdpa(st, func, args, kwargs)
         return func(*args, **kwargs)
-
-
-def recomputing() -> bool:
-    """True in a forward that runs while autograd executes a backward pass: activation
-    checkpointing's recompute (torch.utils.checkpoint, reentrant or not, checkpoint_wrapper,
-    Hugging Face gradient checkpointing), whose first forward was already counted. A
-    plain forward runs outside any graph task (id -1)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 # ids of the attachments whose watcher measures the current step, and the stance to go
@@ -284,7 +276,10 @@ class Attachment:
             if rec.cadence.measuring and not rec.cadence.removed and args:
                 x = args[0]  # a reference only; rows are taken at the attention call
                 # a tensor-parallel q_proj's own hook made it a replicated DTensor
-                st.buf.x = x.to_local() if callable(getattr(x, "to_local", None)) else x
+                if callable(getattr(x, "to_local", None)):
+                    with outside_selective_checkpoint():
+                        x = x.to_local()
+                st.buf.x = x
                 try:  # a weight replaced (fully_shard; FSDP2's unsharded one): hook it
                     self._hook_wq_grad(st)
                 except Exception as e:

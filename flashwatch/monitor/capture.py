@@ -29,7 +29,7 @@ from flashwatch.config import WatchConfig
 from flashwatch.kernels import dispatch as _dispatch_mod
 from flashwatch.kernels.common import AttentionStats, check_inputs
 from flashwatch.monitor import traced
-from flashwatch.monitor.attach import recomputing
+from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recomputing
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
@@ -91,7 +91,8 @@ class Recorder(ProbeRecorder):
         (the model's: its errors are the model's), ours after it (measuring). A failure
         of ours is counted and the call runs as the model made it, unmeasured."""
         try:
-            a, q, k, v, route = self._plan_sdpa(st, args, kwargs)
+            with outside_selective_checkpoint():  # our ops are not the region's (checkpointing.py)
+                a, q, k, v, route = self._plan_sdpa(st, args, kwargs)
         except Exception as e:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
@@ -106,7 +107,8 @@ class Recorder(ProbeRecorder):
             out = func(*args, **kwargs)
         if self.cadence.measuring:
             try:
-                self._measure_sdpa(st, a, q, k, v, out, routed)
+                with outside_selective_checkpoint():
+                    self._measure_sdpa(st, a, q, k, v, out, routed)
             except Exception as e:
                 self.ledger.error(f"probe {st.site.name}", e)
         return out
@@ -228,8 +230,9 @@ class Recorder(ProbeRecorder):
                                                attn_mask=attn_mask, softcap=softcap,
                                                sliding_window=sliding_window)
             if self.cadence.measuring:
-                self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True,
-                                 softcap=softcap, sliding_window=sliding_window)
+                with outside_selective_checkpoint():
+                    self._safe_probe(st, q, k, v, out, causal, scale, attn_mask, True,
+                                     softcap=softcap, sliding_window=sliding_window)
             return out
         return intercept
 

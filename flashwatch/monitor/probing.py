@@ -15,7 +15,7 @@ import torch
 from flashwatch.config import WatchConfig
 from flashwatch.kernels.common import Mode, no_autocast
 from flashwatch.monitor import probe, samples
-from flashwatch.monitor.attach import recomputing
+from flashwatch.monitor.checkpointing import recomputing
 from flashwatch.monitor.layer_state import LayerState, to_device
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.tokens import Tokens

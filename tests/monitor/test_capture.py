@@ -241,7 +241,7 @@ def _counts(w):
 
 @pytest.mark.parametrize("rows", [8, 4 * 32])
 @pytest.mark.parametrize("route_all", [False, True])
-@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper", "selective"])
 def test_activation_checkpointing_counts_each_forward_once(how, route_all, rows):
     """The checkpointed run reports exactly what the plain run reports, step after step:
     a recompute that sampled again would move the sampling generator (other rows on the
@@ -277,7 +277,7 @@ def test_activation_checkpointing_counts_each_forward_once(how, route_all, rows)
             assert math.isfinite(ha["delta_error_sum"])
 
 
-@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper"])
+@pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper", "selective"])
 def test_modes_under_activation_checkpointing_run_and_their_events_stand(how):
     torch.manual_seed(0)
     model = checkpointed(GPT(GPTConfig(**SMALL)), how)
