@@ -408,3 +408,71 @@ def hf_inputs(kind: str, B: int = 2, N: int = 12, seed: int = 0, padded: bool = 
         mask[0, N - N // 3:] = 0
         out["attention_mask"] = mask
     return out
+
+
+@dataclass
+class MegatronConfig:
+    """The fields of Megatron-core's TransformerConfig its SelfAttention reads."""
+
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    kv_channels: int = 16  # 4 · 16 = 64 != 32 on purpose: head_dim from kv_channels
+    num_layers: int = 2
+    vocab_size: int = 64
+
+
+class MegatronCoreAttention(nn.Module):
+    """Megatron's `core_attention` slot, filled with SDPA ([s, b, h, d] in and out)."""
+
+    def forward(self, q, k, v):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+class MegatronSelfAttention(nn.Module):
+    """Megatron-core SelfAttention's layout: `linear_qkv` rows per query group [q_g0 ..
+    q_g(r-1) | k_g | v_g], split as its get_query_key_value_tensors does (local groups
+    from the tensor's width, so ColwiseParallel over whole groups works), sequence-first
+    activations, `core_attention` and `linear_proj` siblings, counts on `config`."""
+
+    def __init__(self, config: MegatronConfig):
+        super().__init__()
+        self.config = config
+        H, G, D = config.num_attention_heads, config.num_query_groups, config.kv_channels
+        self.linear_qkv = nn.Linear(config.hidden_size, (H + 2 * G) * D)
+        self.core_attention = MegatronCoreAttention()
+        self.linear_proj = nn.Linear(H * D, config.hidden_size)
+
+    def forward(self, x):  # x: [s, b, hidden]
+        c = self.config
+        r, D = c.num_attention_heads // c.num_query_groups, c.kv_channels
+        mixed = self.linear_qkv(x)
+        mixed = mixed.view(*mixed.shape[:2], -1, (r + 2) * D)  # [s, b, groups, (r+2)·D]
+        q, k, v = mixed.split([r * D, D, D], dim=-1)
+        q = q.reshape(*q.shape[:2], -1, D)  # [s, b, groups · r, D], head g·r + j
+        return self.linear_proj(self.core_attention(q, k, v))
+
+
+class TinyMegatron(nn.Module):
+    """decoder.layers.{i}.self_attention, as in Megatron-core's GPTModel."""
+
+    def __init__(self, config: MegatronConfig | None = None):
+        super().__init__()
+        c = config or MegatronConfig()
+        self.embedding = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.decoder = nn.Module()
+        self.decoder.layers = nn.ModuleList(
+            nn.ModuleDict(dict(input_layernorm=nn.LayerNorm(c.hidden_size),
+                               self_attention=MegatronSelfAttention(c)))
+            for _ in range(c.num_layers))
+        self.output_layer = nn.Linear(c.hidden_size, c.vocab_size)
+
+    def forward(self, idx, targets=None):
+        x = self.embedding(idx).transpose(0, 1)  # [s, b, hidden]
+        for layer in self.decoder.layers:
+            x = x + layer["self_attention"](layer["input_layernorm"](x))
+        logits = self.output_layer(x.transpose(0, 1))
+        return logits, _lm_loss(logits, targets)

@@ -357,10 +357,10 @@ def check_site(site: AttentionSite) -> None:
     """Raise ValueError when QK-clip cannot scale this site's K weight."""
     if site.k_module is None or site.k_index is None or site.q_index is None:
         raise ValueError(
-            f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r}: QK-clip "
-            "needs the K weight, which flashwatch knows for discovered layers only, not "
-            "for explicit sites; leave qk_clip_threshold None or watch only discovered "
-            "layers"
+            f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r} without "
+            "its K weight, which QK-clip scales; name it: sites={name: dict(..., "
+            "k_module='k_proj')} (k_channels= for a fused projection whose K rows "
+            "q_layout does not give), or leave qk_clip_threshold None"
         )
 
 
@@ -383,9 +383,8 @@ def plan_scaling(site: AttentionSite, eta: torch.Tensor, alpha: float) -> list:
     q_rows = (eta ** alpha).repeat_interleave(D)  # [H * D], head-major channels
     k_rows = (kv_factors(eta, site.num_kv_heads) ** (1 - alpha)).repeat_interleave(D)
     q_index, k_index = site.q_index, site.k_index
-    if site.global_heads is not None:  # TP: local channels are global ones of this rank
-        kv_offset = site.head_offset * site.num_kv_heads // site.num_heads
-        q_index, k_index = q_index + site.head_offset * D, k_index + kv_offset * D
+    if site.channel_offsets is not None:  # TP: local channels are global ones of this rank
+        q_index, k_index = q_index + site.channel_offsets[0], k_index + site.channel_offsets[1]
     return _scale(site.q_module, q_index, q_rows) + _scale(site.k_module, k_index, k_rows)
 
 

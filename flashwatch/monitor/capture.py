@@ -96,8 +96,7 @@ class Recorder(ProbeRecorder):
         except Exception as e:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
-        if a is None:  # seen, said why (once), not measured: not a silent layer
-            st.buf.calls += self.cadence.measuring
+        if a is None:  # seen, not measured: st.buf.unmeasured says why (head_modes.judge)
             return func(*args, **kwargs)
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)
         causal, scale = bool(a.get("is_causal", False)), a.get("scale")
@@ -140,9 +139,10 @@ class Recorder(ProbeRecorder):
             # e.g. a KV-cached decode step of a grouped-query model that folds its query
             # heads into the length axis ([B, H_kv, n_rep, D]): not the layer's heads, so
             # neither its modes nor its head arrays apply. Skipped, never misattributed.
-            self.warn_once(st, "heads", f"flashwatch: {st.site.name}: an attention call "
-                           f"with {q.shape[1]} heads, not the layer's {st.site.num_heads} "
-                           f"({why}); such calls run as they are and are not measured")
+            st.buf.unmeasured = (f"an attention call with {q.shape[1]} heads, not the "
+                                 f"layer's {st.site.num_heads} ({why})")
+            self.warn_once(st, "heads", f"flashwatch: {st.site.name}: {st.buf.unmeasured}; "
+                           f"such calls run as they are and are not measured")
             return None, q, k, v, False
         return a, q, k, v, st.routed
 

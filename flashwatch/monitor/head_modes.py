@@ -147,12 +147,15 @@ class HeadModes:
                 st.unmitigable = None
             if st.buf.forwards and not st.buf.calls and not st.silent_reported:
                 st.silent_reported = True  # logged and counted once
+                why = (f"its attention calls were not measured: {st.buf.unmeasured}"
+                       if st.buf.unmeasured is not None else
+                       "without an attention call flashwatch sees (F.scaled_dot_product_"
+                       "attention or flashwatch.attention); make it call SDPA (Hugging "
+                       "Face: attn_implementation='sdpa') or leave it out of `sites`")
                 self.ledger.error(f"attention of {st.site.name}", RuntimeError(
                     f"{st.site.name} ran {st.buf.forwards} forward(s) in a monitored step "
-                    f"without an attention call flashwatch sees (F.scaled_dot_product_"
-                    f"attention or flashwatch.attention): its ties, max logit and δ error "
-                    f"are NaN and QK-clip cannot act there; make it call SDPA (Hugging "
-                    f"Face: attn_implementation='sdpa') or leave it out of `sites`"))
+                    f"and measured nothing: its ties, max logit and δ error are NaN and "
+                    f"QK-clip cannot act there; {why}"))
             st.module_calls = st.routed_calls = st.fallback_calls = 0
         return not_applied
 

@@ -58,7 +58,8 @@ class StepBuffers:
     traced_pending: dict = field(default_factory=dict)
     x: torch.Tensor | None = None  # input of the Q projection during the current call
     forwards: int = 0  # measured eager forwards of the module (flashwatch/monitor/attach.py)
-    calls: int = 0  # attention calls of ours seen in them (SDPA or flashwatch.attention)
+    calls: int = 0  # attention calls of ours measured in them (SDPA or flashwatch.attention)
+    unmeasured: str | None = None  # why a call of the layer seen this step was not measured
     # why the layer, split by tensor parallelism after attach, could not be narrowed this
     # step (tried once a step: flashwatch/monitor/capture.py)
     split_refused: str | None = None
@@ -110,7 +111,8 @@ class LayerState:
     heads: torch.Tensor  # [H] int64: offset + arange(H), for samples.totals
     power_v: torch.Tensor | None = None  # warm start of the W^Q power iteration
     unmitigable: str | None = None  # why its modes could not be applied, last known
-    shadowed: bool = False  # an instance attribute `forward` hides the wrapper
+    shadowed: bool = False  # its instance attribute `forward` is not callable: nothing
+    # to wrap (a callable one is wrapped: flashwatch/monitor/attach.py Attachment.adopt)
     routed: bool = False  # route_all or a non-STANDARD head: its calls go to our kernel
     # Since the last report: forwards of the module while routed, calls of ours that
     # ran its modes, and attention calls made with modes set that ran the original
@@ -159,8 +161,8 @@ class LayerState:
         if not bool(self.modes.any()):
             return None
         if self.shadowed:
-            return ("its instance attribute `forward` hides flashwatch's wrapper, so its "
-                    "attention calls never reach flashwatch")
+            return ("its instance attribute `forward` is not callable, so flashwatch "
+                    "has nothing to wrap and its attention calls never reach flashwatch")
         if self.fallback_calls > 0:
             return self.unmitigable
         if self.module_calls > 0 and self.routed_calls == 0:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flashwatch.sites import layouts
+from flashwatch.sites import layouts, megatron, olmo_core, torchtitan
 from flashwatch.sites.site import AttentionSite
-from flashwatch.sites.weights import local_rows, rows_at, rows_of, tensor_parallel
+from flashwatch.sites.weights import local_rows, local_rows_at, rows_at, rows_of, tensor_parallel
 
 # Where head counts live, in the order they are tried: on the module first, then on its
 # `config`. The module wins because under tensor parallelism it holds the local (sharded)
@@ -25,6 +25,9 @@ HEAD_DIM_ATTRS = ("head_dim",)
 # n_kv_heads, head_dim on the module).
 QKV_NAMES = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"),
              ("wq", "wk", "wv"))
+# The trainers' own layouts, each declared in its module of flashwatch/sites/, tried
+# before the generic ones above.
+TRAINER_LAYOUTS = torchtitan.LAYOUTS + olmo_core.LAYOUTS + megatron.LAYOUTS
 
 
 class NoAttentionLayers(ValueError):
@@ -65,6 +68,17 @@ def _match(name: str, module: nn.Module, rejected: list[str],
            fsdp: set[int] = frozenset()) -> AttentionSite | None:
     children = module._modules  # direct children only: a block is not its attention
     where = f"module {name or '<root>'!r} ({type(module).__name__})"
+    for trainer in TRAINER_LAYOUTS:
+        holder = trainer.projections(module)
+        if holder is None:
+            continue
+        if trainer.fused is not None:
+            return _match_fused(name, module, trainer.fused, where, rejected,
+                                holder=holder, trainer=trainer,
+                                under_fsdp=id(holder._modules[trainer.fused]) in fsdp)
+        projs = [holder._modules[p] for p in trainer.separate]
+        return _match_separate(name, module, trainer.separate, projs, where, rejected,
+                               id(projs[0]) in fsdp)
     if children.get("c_attn") is not None:
         return _match_c_attn(name, module, where, rejected)
     for key in ("query_key_value", "qkv_proj"):
@@ -107,22 +121,43 @@ def _match_c_attn(name, module, where, rejected) -> AttentionSite | None:
     )
 
 
-def _match_fused(name, module, key, where, rejected) -> AttentionSite | None:
+def _match_fused(name, module, key, where, rejected, holder=None, trainer=None,
+                 under_fsdp=False) -> AttentionSite | None:
     """One Linear computing q, k and v: GPT-NeoX/Pythia, Bloom, Falcon
-    (`query_key_value`), Phi-3 (`qkv_proj`, [Q | K | V] with grouped K, V)."""
-    qkv = module._modules[key]
-    H = _lookup_int(module, HEAD_ATTRS)
+    (`query_key_value`), Phi-3 (`qkv_proj`, [Q | K | V] with grouped K, V), and the
+    trainers' fused projections (`trainer`: torchtitan's `wqkv`, Megatron's `linear_qkv`,
+    per K/V group) in `holder` (the module itself unless the trainer nests them)."""
+    qkv = (module if holder is None else holder)._modules[key]
+    if not isinstance(qkv, nn.Linear):
+        rejected.append(f"{where}: its fused `{key}` is {type(qkv).__name__}, not nn.Linear")
+        return None
+    if trainer is not None and trainer.heads is not None:
+        H, Hkv, D = trainer.heads(module)
+    else:
+        H, Hkv = _lookup_int(module, HEAD_ATTRS), _lookup_int(module, KV_HEAD_ATTRS)
+        D = _lookup_int(module, HEAD_DIM_ATTRS)
     if H is None:
         raise ValueError(_no_heads(where, key, module))
-    Hkv = _lookup_int(module, KV_HEAD_ATTRS)
-    if key == "query_key_value":
+    if trainer is not None:
+        layout, Hkv = trainer.fused_layout, Hkv or H
+        D = D or qkv.in_features // H
+        if qkv.out_features != (H + 2 * Hkv) * D:
+            rejected.append(f"{where}: {trainer.trainer}'s `{key}` has {qkv.out_features} "
+                            f"outputs, expected (H + 2·Hkv)·D = {(H + 2 * Hkv) * D} for "
+                            f"H={H}, Hkv={Hkv}, D={D}")
+            return None
+        tp = tensor_parallel(qkv, under_fsdp)
+        if tp is not None:
+            return _match_fused_tensor_parallel(name, module, qkv, layout, H, Hkv, D, tp,
+                                                where)
+    elif key == "query_key_value":
         found = layouts.fused_layout(module, qkv, H, Hkv)
         if isinstance(found, str):
             rejected.append(f"{where}: {found}")
             return None
         layout, Hkv, D = found
     else:
-        D = _lookup_int(module, HEAD_DIM_ATTRS) or qkv.in_features // H
+        D = D or qkv.in_features // H
         Hkv = Hkv or H
         layout = "q"
         if qkv.out_features != (H + 2 * Hkv) * D:
@@ -208,7 +243,27 @@ def _match_tensor_parallel(name, module, names, projs, where, tp) -> AttentionSi
         name=name, module=module, num_heads=h, num_kv_heads=hkv, head_dim=D,
         d_model=q_proj.in_features, q_module=q_proj, kind="hf", q_slice_of_output=(0, h * D),
         wq_source=local_rows(q_proj, h * D), layout="q", k_module=k_proj,
-        k_index=torch.arange(hkv * D), global_heads=H, head_offset=rank * h)
+        k_index=torch.arange(hkv * D), global_heads=H, head_offset=rank * h,
+        channel_offsets=(rank * h * D, rank * hkv * D))
+
+
+def _match_fused_tensor_parallel(name, module, qkv, layout, H, Hkv, D, tp, where
+                                 ) -> AttentionSite:
+    """A per-group fused projection split by ColwiseParallel (Megatron's linear_qkv and
+    torchtitan's wqkv under their TP plans): its rows are whole K/V groups, so this rank
+    holds groups [rank · Hkv/size, ...) with their query heads, in the same layout."""
+    rank, size = tp
+    if Hkv % size:
+        raise ValueError(f"{where}: {Hkv} K/V groups of its fused projection do not split "
+                         f"into whole groups over {size} tensor-parallel ranks")
+    h, hkv = H // size, Hkv // size
+    q_idx, k_idx = layouts.q_index(layout, h, hkv, D), layouts.k_index(layout, h, hkv, D)
+    first = rank * (h + 2 * hkv) * D  # the global channel of this rank's first row
+    return AttentionSite(
+        name=name, module=module, num_heads=h, num_kv_heads=hkv, head_dim=D,
+        d_model=qkv.in_features, q_module=qkv, kind="fused_qkv", q_slice_of_output=None,
+        wq_source=local_rows_at(qkv, q_idx), q_index=q_idx, layout=layout, k_module=qkv,
+        k_index=k_idx, global_heads=H, head_offset=rank * h, channel_offsets=(first, first))
 
 
 def split_by_tensor_parallelism(site: AttentionSite) -> AttentionSite | str:
@@ -225,8 +280,8 @@ def split_by_tensor_parallelism(site: AttentionSite) -> AttentionSite | str:
     except ValueError as e:
         return str(e)
     if new is None or new.global_heads is None:
-        return ("its Q, K, V projections are not separate Linears split on dim 0 (a fused "
-                "projection splits into whole heads only with a plan of its own)")
+        return ("its Q, K, V projections are not split on dim 0 into whole heads (separate "
+                "Linears, or a fused projection laid out per K/V group)")
     if new.global_heads != site.num_heads or new.head_dim != site.head_dim:
         return (f"its split does not keep its {site.num_heads} heads of width "
                 f"{site.head_dim} whole")

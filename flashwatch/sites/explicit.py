@@ -33,7 +33,7 @@ from flashwatch.sites.site import (
 from flashwatch.sites.weights import rows_at, weight_of
 
 SPEC_KEYS = ("num_heads", "q_module", "wq", "num_kv_heads", "head_dim", "q_slice_of_output",
-             "q_layout", "q_channels")
+             "q_layout", "q_channels", "k_module", "k_channels")
 
 
 def explicit_sites(
@@ -87,6 +87,8 @@ def make_site(
     q_slice_of_output: tuple[int, int] | None = None,
     q_layout: str | None = None,
     q_channels: Sequence[int] | torch.Tensor | None = None,
+    k_module: str | nn.Module | None = None,
+    k_channels: Sequence[int] | torch.Tensor | None = None,
 ) -> AttentionSite:
     """An explicit site for an attention module that `find_sites` does not recognise.
 
@@ -111,6 +113,11 @@ def make_site(
     At most one of q_slice_of_output, q_layout, q_channels. The slice is checked at
     discovery against q_module (`check_orientation`) and, on the first monitored call,
     against the q that reaches SDPA (flashwatch.sites.layouts.QCheck).
+    k_module: the nn.Linear computing K (a path as q_module's, or the module), which
+      QK-clip scales; k_channels: its K output channels, head-major ([Hkv * head_dim]
+      ints). Default channels: those of q_layout's K when k_module is q_module (a fused
+      projection: "q" means [Q | K | V]), else the first Hkv * head_dim. Without
+      k_module, QK-clip is refused for this site (it needs W^K).
     """
     module = _site_module(model, name)
     where = f"site {name!r}"
@@ -128,12 +135,34 @@ def make_site(
         q_layout = layouts.known_layout(module, q_mod, num_heads, kv, head_dim)
     index = _explicit_index(where, num_heads, kv, head_dim, q_slice=q_slice_of_output,
                             q_layout=q_layout, q_channels=q_channels)
+    k_mod = _resolve_q_module(model, name, module, k_module, "k_module")
+    k_index = None if k_mod is None else _k_index(where, k_mod, k_mod is q_mod, q_layout,
+                                                   num_heads, kv, head_dim, k_channels)
     return AttentionSite(
         name=name, module=module, num_heads=num_heads, num_kv_heads=kv,
         head_dim=head_dim, d_model=d_model, q_module=q_mod, kind="explicit",
         q_slice_of_output=None, wq_source=_wq_source(where, wq, q_mod, q_weight, index),
         q_index=None if q_mod is None else index, layout=q_layout or "q",
+        k_module=k_mod, k_index=k_index,
     )
+
+
+def _k_index(where: str, k_mod: nn.Module, fused: bool, q_layout: str | None, H: int,
+             Hkv: int, D: int, k_channels) -> torch.Tensor:
+    """An explicit site's K channels in k_module's output (make_site's k_channels)."""
+    if not isinstance(k_mod, nn.Linear):
+        raise ValueError(f"{where}: k_module is {type(k_mod).__name__}; QK-clip scales the "
+                         "rows of an nn.Linear's weight, so k_module must be one")
+    if k_channels is not None:
+        index = parse_index(k_channels, Hkv * D, where)
+    elif fused:
+        index = layouts.k_index(q_layout or "q", H, Hkv, D)
+    else:
+        index = torch.arange(Hkv * D)
+    if int(index.max()) >= k_mod.out_features:
+        raise ValueError(f"{where}: the K channels go up to {int(index.max())}, past the "
+                         f"{k_mod.out_features} outputs of k_module; pass k_channels=")
+    return index
 
 
 def _site_module(model: nn.Module, name: str) -> nn.Module:
@@ -216,17 +245,18 @@ def _explicit_index(where: str, H: int, Hkv: int, D: int, *, q_slice: tuple[int,
 
 
 def _resolve_q_module(model: nn.Module, name: str, module: nn.Module,
-                      q_module: str | nn.Module | None) -> nn.Module | None:
+                      q_module: str | nn.Module | None, arg: str = "q_module"
+                      ) -> nn.Module | None:
     if q_module is None or isinstance(q_module, nn.Module):
         return q_module
     if not isinstance(q_module, str):
-        raise TypeError(f"site {name!r}: q_module must be a module path (str), an nn.Module "
+        raise TypeError(f"site {name!r}: {arg} must be a module path (str), an nn.Module "
                         f"or None, got {type(q_module).__name__}")
     found = get_submodule(module, q_module)
     if found is None:
         found = get_submodule(model, q_module)
     if found is None:
         children = [n for n, _ in module.named_children()]
-        raise ValueError(f"site {name!r}: q_module={q_module!r} is neither a submodule of the "
+        raise ValueError(f"site {name!r}: {arg}={q_module!r} is neither a submodule of the "
                          f"site (children: {children}) nor of the model")
     return found

@@ -21,6 +21,9 @@ that reaches SDPA, so a wrong slice of an explicit site is refused with its laye
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -214,3 +217,38 @@ class QCheck:
 def _call(module: nn.Module):
     plain = plain_call(module)
     return module.forward if plain is module else plain
+
+
+@dataclass(frozen=True)
+class TrainerLayout:
+    """Where one trainer's attention module keeps its Q, K, V projections, declared by
+    that trainer's module (flashwatch/sites/torchtitan.py, olmo_core.py, megatron.py) and
+    read by discovery alone: supporting a trainer is one such declaration.
+
+    trainer: its name, for messages. holder: the child holding the projections
+      (torchtitan 0.3: `qkv_linear`), None when they are the module's own children.
+    requires: children the attention module must also have (torchtitan: the sibling
+      `inner_attention` that makes the call), so a bare projection holder is never
+      taken for the layer. separate: the Q, K, V Linears' names; fused: the one fused
+      Linear's name, its rows in `fused_layout` (LAYOUTS). heads: (H, Hkv, D) read
+      from the module when the usual attributes (discovery.HEAD_ATTRS) do not hold them.
+    """
+
+    trainer: str
+    holder: str | None = None
+    requires: tuple[str, ...] = ()
+    separate: tuple[str, str, str] | None = None
+    fused: str | None = None
+    fused_layout: str = "q"
+    heads: Callable[[nn.Module], tuple[int | None, int | None, int | None]] | None = None
+
+    def projections(self, module: nn.Module) -> nn.Module | None:
+        """The module holding this layout's projections when `module` is one of this
+        trainer's attention modules, else None."""
+        if any(module._modules.get(c) is None for c in self.requires):
+            return None
+        holder = module if self.holder is None else module._modules.get(self.holder)
+        if holder is None:
+            return None
+        names = self.separate or (self.fused,)
+        return holder if all(holder._modules.get(n) is not None for n in names) else None

@@ -19,6 +19,12 @@ the module whose input is X, the input of the Q projection.
   (per head [q_h | k_h | v_h]) or Falcon (its three layouts), `qkv_proj` (Phi-3:
   [Q | K | V] with grouped K, V). Other classes owning a `query_key_value` are refused
   by name (their row order is unknown).
+- The trainers' layouts, each declared in its own module (a `layouts.TrainerLayout`):
+  torchtitan 0.3 (flashwatch/sites/torchtitan.py: `qkv_linear.wqkv` per K/V group or
+  `qkv_linear.wq/wk/wv`, the call in the sibling `inner_attention`), OLMo-core
+  (olmo_core.py: `w_q`, `w_k`, `w_v`), Megatron-core (megatron.py: `linear_qkv` per
+  query group, counts on its `config`). Fused per-group projections split by
+  ColwiseParallel over whole groups are this rank's groups.
 
 The Q channels of each layout are a `q_index` (flashwatch/sites/layouts.py). Layers that make
 no SDPA call (HF attn_implementation="eager", Bloom) are refused by name at discovery
@@ -76,7 +82,9 @@ class AttentionSite:
     global_heads, head_offset: under tensor parallelism the site is this rank's part
       of the layer: num_heads (and num_kv_heads, q_index, W^Q) are its local heads, which
       are heads [head_offset, head_offset + num_heads) of the layer's global_heads.
-      None and 0 otherwise.
+      None and 0 otherwise. channel_offsets: then the global output channels of this
+      rank's first rows of q_module and k_module (QK-clip writes the global channels
+      q_index + offset, k_index + offset).
     """
 
     name: str
@@ -95,6 +103,7 @@ class AttentionSite:
     k_index: torch.Tensor | None = field(default=None, repr=False)
     global_heads: int | None = None
     head_offset: int = 0
+    channel_offsets: tuple[int, int] | None = None
 
     @property
     def layer_heads(self) -> int:

@@ -161,3 +161,12 @@ def local_rows(linear: nn.Linear, stop: int) -> Callable[[], torch.Tensor]:
     def rows() -> torch.Tensor:
         return tp_local(linear.weight)[:stop]
     return rows
+
+
+def local_rows_at(linear: nn.Linear, index: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """`local_rows` for rows `index` of this rank's shard (a fused projection's local
+    heads, interleaved per K/V group): a copy, read on every call."""
+    def rows() -> torch.Tensor:
+        w = tp_local(linear.weight)
+        return w.index_select(0, index.to(w.device))
+    return rows
