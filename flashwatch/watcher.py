@@ -222,6 +222,8 @@ class Watcher:
     def _step_once(self) -> StepReport | None:
         t0 = time.perf_counter()
         completed, was_monitoring = self._step, self._cadence.monitoring
+        if self._cadence.measuring:  # a forward set during the step: before the next arm
+            self._attachment.check_forwards(self._states)
         try:
             self._move_to(self._step + 1)
         except Exception as e:  # the count moved; hooks re-armed at the next step
@@ -395,7 +397,10 @@ class Watcher:
 
     def _set_modes(self, st: LayerState, modes: torch.Tensor) -> None:
         st.modes = modes
-        st.routed = self.config.route_all or bool(modes.any())
+        routed = self.config.route_all or bool(modes.any())
+        if routed and not st.routed:  # routed on unmonitored steps too: its own forward
+            self._attachment.adopt(st)  # set since the last arm is wrapped now
+        st.routed = routed
 
 
 def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,

@@ -64,9 +64,12 @@ def test_pyproject_core_and_extras():
     assert extras["all"] == ["flashwatch[lightning,report,transformers,triton]"]
     assert {_name(r) for r in extras["triton"]} == {"triton"}
     assert "flashwatch[all]" in extras["dev"]  # `make test` installs every extra
-    install = [line for line in (ROOT / "Makefile").read_text().splitlines()
-               if "pip install" in line and "-e " in line]
+    makefile = (ROOT / "Makefile").read_text().splitlines()
+    install = [line for line in makefile if "$(BIN)/pip install" in line and "-e " in line]
     assert install and all('".[all,dev]"' in line for line in install), install
+    # .venv-trainers (tests/trainers): no extras, [transformers] clashes with OLMo-core
+    trainers = [line for line in makefile if "$(TBIN)/pip install" in line and "-e " in line]
+    assert trainers and all(line.endswith(" -e .") for line in trainers), trainers
 
 
 def test_core_and_demo_run_without_any_extra(tmp_path: Path):

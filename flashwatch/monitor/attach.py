@@ -3,6 +3,10 @@
 Three mechanisms, all undone by `Attachment.detach()`:
   forward    each watched attention module's class is swapped for one subclass per
              attention class (`watched_class`) whose forward reads the module's `Link`.
+             A module with its own instance attribute `forward` (torchtitan's
+             Module.parallelize, accelerate's hooks, `m.forward = ...`) gets it wrapped
+             in its __dict__ (`Attachment.adopt`), at attach or, if set since, when a
+             monitored step begins or ends and when its routing turns on.
              On steps where the layer is neither measured nor routed that forward only
              calls the original: plain attribute reads that torch.compile guards on,
              so compiled code traces it with no graph break (fullgraph=True holds).
@@ -42,8 +46,13 @@ from flashwatch.parallel.pipelining import in_metadata_inference
 
 log = logging.getLogger("flashwatch")
 
-# Module attribute holding a watched attention module's Link.
+# Module attributes holding a watched attention module's Link: LINK, where the class
+# forward reads it, or OWN_LINK while flashwatch's wrapper of the module's own instance
+# forward (OwnForward) is its forward: the class forward, finding no Link, then passes
+# straight through when that own forward calls it.
 LINK = "_flashwatch_link"
+OWN_LINK = "_flashwatch_own_link"
+_ABSENT = object()
 
 
 class Link:
@@ -89,6 +98,63 @@ def watched_class(base: type) -> type:
             "forward": forward, "__module__": base.__module__,
             "__qualname__": base.__qualname__})
     return cls
+
+
+class OwnForward:
+    """What replaces a watched module's own instance attribute `forward`
+    (`Attachment.adopt`): the class forward's logic around the module's own forward.
+    An instance forward takes no `self` (it is never bound on lookup), so it is called
+    as `own(*args)`; `Attachment.run` and `traced.run` pass the module first, hence
+    `_call_own`.
+
+    Only the module's current forward measures: a wrapper captured by a forward set
+    since (accelerate's add_hook_to_module keeps `module.forward` and calls it) passes
+    straight through once that forward is wrapped in turn, so a call is measured once.
+    It holds its own forward, not the module's __dict__ entry: such a chain never loops.
+
+    Deep copies: copy.deepcopy copies this object with the module, so `module` is the
+    copy and `own` is copied as the module's own forward would be unwatched (a bound
+    method rebound to the copy, a functools.partial with its arguments deep-copied, a
+    function or closure shared: a closure over the original module, as torchtitan's,
+    runs the original's weights in the copy, watched or not). The copy shares the Link
+    and is measured as the same layer."""
+
+    def __init__(self, module: nn.Module, own):
+        self.module, self.own = module, own
+
+    @property
+    def __wrapped__(self):  # inspect.signature(module.forward) reads the own forward's
+        return self.own
+
+    def _call_own(self, _module, *args, **kwargs):
+        return self.own(*args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        d = self.module.__dict__
+        link = d.get(OWN_LINK)
+        rec = None if link is None else link.recorder
+        if rec is not None and not rec.cadence.removed and (
+                link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
+            current = d.get("forward")
+            if current is self or not isinstance(current, OwnForward):
+                if link.st.compiled.traced and torch.compiler.is_compiling():
+                    return _traced.run(link.st, self.module, self._call_own, args, kwargs)
+                return rec.attachment.run(link.st, self.module, self._call_own, args,
+                                          kwargs)
+        return self.own(*args, **kwargs)
+
+
+def _wrapped_here(forward, module) -> bool:
+    """`forward` is flashwatch's wrapper of `module`'s own forward."""
+    return isinstance(forward, OwnForward) and forward.module is module
+
+
+def _place(d: dict, link: Link, key: str) -> None:
+    """The Link at `key` (LINK or OWN_LINK) and not at the other one. Written only when
+    it moves: Dynamo guards on the module's attributes."""
+    if d.get(key) is not link:
+        d[key] = link
+    d.pop(OWN_LINK if key == LINK else LINK, None)
 
 
 class _Interceptor(TorchFunctionMode):
@@ -166,31 +232,91 @@ class Attachment:
 
     def wrap(self, st) -> None:
         """Give the watched module the forward of `watched_class(type(module))` and a
-        Link to the watcher and layer. Dynamo guards on the module's type, so code
-        compiled before the watcher was attached recompiles on its next call (no
-        torch._dynamo.reset)."""
+        Link to the watcher and layer, and wrap its own instance forward if it has one
+        (`adopt`). Dynamo guards on the module's type, so code compiled before the
+        watcher was attached recompiles on its next call (no torch._dynamo.reset)."""
         mod = st.site.module
-        st.shadowed = "forward" in mod.__dict__
-        if st.shadowed:  # an instance attribute would shadow ours
-            log.warning("flashwatch: %s has its own instance attribute `forward`, which "
-                        "flashwatch cannot wrap; the layer is neither measured nor "
-                        "mitigated (head modes set on it are reported unmitigable)",
-                        st.site.name)
-        old = mod.__dict__.get(LINK)
+        d = mod.__dict__
+        old = d.get(LINK, d.get(OWN_LINK))
         if old is not None and not old.recorder.cadence.removed:
             log.warning("flashwatch: %s was watched by another Watcher that was not "
                         "removed; this one takes the layer over", st.site.name)
         base = type(mod) if old is None else old.base
         link = Link(self.recorder, st, base)
-        mod.__dict__[LINK] = link
+        _place(d, link, LINK)
         mod.__class__ = watched_class(base)
+        self.adopt(st)
 
         def unwrap():
-            if mod.__dict__.get(LINK) is link:  # else another watcher took it over
-                del mod.__dict__[LINK]
-                if type(mod) is watched_class(base):  # else re-wrapped (fully_shard):
-                    mod.__class__ = base  # kept, its forward passes straight through
+            if d.get(LINK) is link:
+                del d[LINK]
+            elif d.get(OWN_LINK) is link:
+                del d[OWN_LINK]
+            else:
+                return  # another watcher took it over
+            ours = d.get("forward")
+            if _wrapped_here(ours, mod):  # else replaced since: the user's stays
+                d["forward"] = ours.own  # the module's own object, as it was
+            if type(mod) is watched_class(base):  # else re-wrapped (fully_shard):
+                mod.__class__ = base  # kept, its forward passes straight through
         self._unwraps.append(unwrap)
+
+    def adopt(self, st) -> bool:
+        """Wrap the module's own instance attribute `forward` if flashwatch has not yet:
+        one set before attach, or since (torchtitan's Module.parallelize after watch,
+        accelerate's add_hook_to_module, `m.forward = ...`). The Link then sits at
+        OWN_LINK, so the class forward passes straight through when the own forward
+        calls it (torchtitan's calls the `self.forward` it found when it parallelized:
+        the class forward, once watched) and each call is measured once. True if it
+        wrapped a forward now. A forward it cannot wrap (not callable: the module's
+        calls fail anyway) leaves the layer `shadowed`, counted at every measured step
+        (`check_forwards`). Never raises."""
+        mod = st.site.module
+        d = mod.__dict__
+        link = d.get(LINK, d.get(OWN_LINK))
+        if link is None or link.st is not st:  # removed, or another watcher took it over
+            return False
+        try:
+            own = d.get("forward", _ABSENT)
+            st.shadowed = own is not _ABSENT and not callable(own)
+            if _wrapped_here(own, mod):
+                _place(d, link, OWN_LINK)
+                return False
+            if own is _ABSENT or st.shadowed:  # nothing of its own to wrap
+                _place(d, link, LINK)
+                if st.shadowed:
+                    self.recorder.ledger.warn_once(("shadowed", st.site.name), (
+                        f"flashwatch: {st.site.name} has an instance attribute `forward` "
+                        f"that is not callable ({type(own).__name__}); the layer is "
+                        f"neither measured nor mitigated while it stays (a monitor error "
+                        f"at every measured step; head modes set on it are reported "
+                        f"unmitigable)"))
+                return False
+            d["forward"] = OwnForward(mod, own)
+            _place(d, link, OWN_LINK)
+            log.info("flashwatch: %s has its own instance attribute `forward`; flashwatch "
+                     "wraps it", st.site.name)
+            return True
+        except Exception as e:  # a __dict__ that refuses the write
+            st.shadowed = True
+            self.recorder.ledger.error(f"wrapping the forward of {st.site.name}", e)
+            return False
+
+    def check_forwards(self, states) -> None:
+        """At the end of a measured step, before the next one is armed: wrap a forward
+        set during the step (after `arm` looked), and count a monitor error for each
+        layer the step could not measure because of its instance forward: not callable,
+        or set during the step and, not calling the class forward, escaping it (no
+        measured forward and no probed row)."""
+        for st in states:
+            late = self.adopt(st)
+            if st.shadowed or (late and not (st.buf.forwards or st.buf.probe_rows)):
+                why = ("its instance attribute `forward` is not callable" if st.shadowed
+                       else "its forward was replaced by an instance attribute `forward` "
+                            "during the step; wrapped now, measured from the next "
+                            "monitored step")
+                self.recorder.ledger.error(f"measuring {st.site.name}", RuntimeError(
+                    f"{st.site.name} was not measured in this step: {why}"))
 
     def frames(self) -> list:
         """This thread's stack of [site, ContextVar token, mode pushed] for the watched
@@ -243,7 +369,10 @@ class Attachment:
 
     def arm(self, states) -> None:
         """Register the monitored step's hooks (X and ‖dW^Q‖²) on every layer that has a
-        Q projection. Idempotent."""
+        Q projection, after wrapping any instance forward a module got since (`adopt`).
+        Idempotent."""
+        for st in states:
+            self.adopt(st)
         if self.armed:  # a weight replaced since (fully_shard after watch): hook it too
             for st in states:
                 if st.site.q_module is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flashwatch.sites import torchtitan
 from flashwatch.sites.site import AttentionSite
 from flashwatch.sites.weights import fsdp_x_tp, tp_hooked
 
@@ -33,7 +34,10 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     if site.global_heads is not None or not isinstance(q, nn.Linear):
         return None
     w = getattr(q, "weight", None)
-    if not is_dtensor(w) or not tp_hooked(q):
+    if w is not None and not is_dtensor(w) and q.out_features % w.shape[0] == 0 \
+            and w.shape[0] < q.out_features:  # a trainer's own split into plain local rows
+        return q.out_features // w.shape[0]
+    if not is_dtensor(w) or not (tp_hooked(q) or torchtitan.declares_tensor_parallel(q)):
         return None
     return w.device_mesh.size(w.device_mesh.ndim - 1)  # the tp dim: the last
 
@@ -152,8 +156,8 @@ def _tp_rows(site: AttentionSite, t) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, head [n] int64) of this rank's local shard of an FSDP2 × TP weight (or its
     gradient) `t` that are W^Q rows of the site's local heads: the shard's global row
     offset (compute_local_shape_and_global_offset) less the TP rank's first row gives
-    rows in the TP shard's numbering, where the site's Q channels are
-    [q_slice_of_output)."""
+    rows in the TP shard's numbering, where the site's Q channels are q_index (a slice
+    of them when they are one run)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
@@ -164,12 +168,18 @@ def _tp_rows(site: AttentionSite, t) -> tuple[torch.Tensor, torch.Tensor]:
     if local.shape[0] != shape[0]:
         raise RuntimeError(f"local shard of {tuple(t.shape)} has {local.shape[0]} rows, "
                            f"expected {shape[0]} ({t.placements})")
-    start, stop = site.q_slice_of_output
     first = offset[0] - tp_rank * per_tp  # in the TP shard's rows
-    a, b = max(start, first), min(stop, first + shape[0])
-    rows = local[a - first:max(a, b) - first]
-    head = (torch.arange(a, max(a, b), device=rows.device) - start) // site.head_dim
-    return rows, head
+    if site.q_slice_of_output is not None:  # one run of rows: a view
+        start, stop = site.q_slice_of_output
+        a, b = max(start, first), min(stop, first + shape[0])
+        rows = local[a - first:max(a, b) - first]
+        head = (torch.arange(a, max(a, b), device=rows.device) - start) // site.head_dim
+        return rows, head
+    # interleaved Q rows (a fused projection per K/V group): those this shard holds
+    index = site.q_index
+    held = ((index >= first) & (index < first + shape[0])).nonzero().flatten()
+    rows = local.index_select(0, (index[held] - first).to(local.device))
+    return rows, (held // site.head_dim).to(rows.device)
 
 
 def first_rank(mesh) -> int:

@@ -78,7 +78,7 @@ def _match(name: str, module: nn.Module, rejected: list[str],
                                 under_fsdp=id(holder._modules[trainer.fused]) in fsdp)
         projs = [holder._modules[p] for p in trainer.separate]
         return _match_separate(name, module, trainer.separate, projs, where, rejected,
-                               id(projs[0]) in fsdp)
+                               id(projs[0]) in fsdp, trainer)
     if children.get("c_attn") is not None:
         return _match_c_attn(name, module, where, rejected)
     for key in ("query_key_value", "qkv_proj"):
@@ -141,12 +141,12 @@ def _match_fused(name, module, key, where, rejected, holder=None, trainer=None,
     if trainer is not None:
         layout, Hkv = trainer.fused_layout, Hkv or H
         D = D or qkv.in_features // H
-        if qkv.out_features != (H + 2 * Hkv) * D:
+        if qkv.out_features != (H + 2 * Hkv) * D:  # the global width, even under TP
             rejected.append(f"{where}: {trainer.trainer}'s `{key}` has {qkv.out_features} "
                             f"outputs, expected (H + 2·Hkv)·D = {(H + 2 * Hkv) * D} for "
                             f"H={H}, Hkv={Hkv}, D={D}")
             return None
-        tp = tensor_parallel(qkv, under_fsdp)
+        tp = _tensor_parallel(qkv, under_fsdp, trainer)
         if tp is not None:
             return _match_fused_tensor_parallel(name, module, qkv, layout, H, Hkv, D, tp,
                                                 where)
@@ -174,8 +174,17 @@ def _match_fused(name, module, key, where, rejected, holder=None, trainer=None,
     )
 
 
-def _match_separate(name, module, names, projs, where, rejected, under_fsdp=False
-                    ) -> AttentionSite | None:
+def _tensor_parallel(linear, under_fsdp, trainer=None) -> tuple[int, int] | None:
+    """(rank, size) when tensor parallelism split `linear` on dim 0: a DTensor weight
+    (weights.tensor_parallel), or the trainer's own split of plain weights."""
+    tp = tensor_parallel(linear, under_fsdp)
+    if tp is None and trainer is not None and trainer.tensor_parallel is not None:
+        tp = trainer.tensor_parallel(linear)
+    return tp
+
+
+def _match_separate(name, module, names, projs, where, rejected, under_fsdp=False,
+                    trainer=None) -> AttentionSite | None:
     """Separate Q, K, V Linears (HF q_proj/k_proj/v_proj, BERT's query/key/value, T5's
     q/k/v); q_proj with 2·H·D outputs is Qwen3-Next's gated [q_h | gate_h] per head."""
     if not all(isinstance(p, nn.Linear) for p in projs):
@@ -183,9 +192,9 @@ def _match_separate(name, module, names, projs, where, rejected, under_fsdp=Fals
         rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
         return None
     q_proj, k_proj, v_proj = projs
-    tp = tensor_parallel(q_proj, under_fsdp)
+    tp = _tensor_parallel(q_proj, under_fsdp, trainer)
     if tp is not None:
-        tensor_parallel(k_proj, under_fsdp)  # its local rows are QK-clip's K
+        _tensor_parallel(k_proj, under_fsdp, trainer)  # its local rows are QK-clip's K
         return _match_tensor_parallel(name, module, names, projs, where, tp)
     H = _lookup_int(module, HEAD_ATTRS)
     D = _lookup_int(module, HEAD_DIM_ATTRS)

@@ -232,6 +232,8 @@ class TrainerLayout:
       taken for the layer. separate: the Q, K, V Linears' names; fused: the one fused
       Linear's name, its rows in `fused_layout` (LAYOUTS). heads: (H, Hkv, D) read
       from the module when the usual attributes (discovery.HEAD_ATTRS) do not hold them.
+      tensor_parallel: (rank, size) of a projection the trainer split by tensor
+      parallelism without DTensors (plain local weights), else None.
     """
 
     trainer: str
@@ -241,6 +243,7 @@ class TrainerLayout:
     fused: str | None = None
     fused_layout: str = "q"
     heads: Callable[[nn.Module], tuple[int | None, int | None, int | None]] | None = None
+    tensor_parallel: Callable[[nn.Module], tuple[int, int] | None] | None = None
 
     def projections(self, module: nn.Module) -> nn.Module | None:
         """The module holding this layout's projections when `module` is one of this

@@ -9,12 +9,52 @@ module itself, e.g. "layers.0.attention". Heads: n_heads, n_kv_heads, head_dim o
 - `fuse_qkv=False`: `qkv_linear.wq`, `wk`, `wv`.
 Older torchtitan (wq, wk, wv directly on the attention module) is discovery's generic
 separate-projection layout.
+
+Tensor parallelism: with parallelism.spmd_backend "partial_dtensor" or "full_dtensor"
+the projections' weights are DTensors (discovery reads their placements); with the
+default "spmd_types" they are plain tensors holding this rank's rows, the split declared
+only in the Linear's `_sharding_config` (TP: Shard(0) on the weight). Its TP rank is
+then the global rank modulo the TP size: ParallelDims.build_mesh puts "tp" innermost
+in every mesh it builds (["pp", "dp", "cp", "tp"] and the others).
 """
 
+import torch.distributed as dist
+from torch import nn
+
 from flashwatch.sites.layouts import TrainerLayout
+from flashwatch.sites.weights import mark_tensor_parallel
+
+
+def declares_tensor_parallel(linear: nn.Module) -> bool:
+    """torchtitan's ShardingConfig on `linear` shards its weight on dim 0 over "tp"
+    (ColwiseParallel), whichever backend applied it."""
+    config = getattr(linear, "_sharding_config", None)
+    layout = getattr(config, "state_shardings", None) or {}
+    axes = getattr(layout.get("weight"), "axis_types", None) or {}
+    tp = {str(getattr(k, "value", k)): v for k, v in axes.items()}.get("tp")
+    return getattr(tp, "dim", None) == 0
+
+
+def spmd_tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
+    """(TP rank, TP size) of a Linear split on dim 0 by the spmd_types backend, else None."""
+    w = getattr(linear, "weight", None)
+    out = getattr(linear, "out_features", None)
+    if (w is None or callable(getattr(w, "to_local", None)) or not isinstance(out, int)
+            or not declares_tensor_parallel(linear) or not dist.is_available()
+            or not dist.is_initialized()):
+        return None
+    rows = w.shape[0]
+    if rows >= out or out % rows:
+        return None
+    size = out // rows
+    mark_tensor_parallel(linear)
+    return dist.get_rank() % size, size
+
 
 FUSED = TrainerLayout(trainer="torchtitan", holder="qkv_linear", requires=("inner_attention",),
-                      fused="wqkv", fused_layout="per_group_qkv")
+                      fused="wqkv", fused_layout="per_group_qkv",
+                      tensor_parallel=spmd_tensor_parallel)
 SEPARATE = TrainerLayout(trainer="torchtitan", holder="qkv_linear",
-                         requires=("inner_attention",), separate=("wq", "wk", "wv"))
+                         requires=("inner_attention",), separate=("wq", "wk", "wv"),
+                         tensor_parallel=spmd_tensor_parallel)
 LAYOUTS = (FUSED, SEPARATE)

@@ -98,6 +98,12 @@ def rows_at(q_module: nn.Module, index: torch.Tensor) -> Callable[[], torch.Tens
 _TP_LINEARS: weakref.WeakSet = weakref.WeakSet()
 
 
+def mark_tensor_parallel(linear: nn.Module) -> None:
+    """Record `linear` as split by tensor parallelism (a trainer's own TP, whose local
+    weight is a plain tensor: flashwatch/sites/torchtitan.py)."""
+    _TP_LINEARS.add(linear)
+
+
 def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, int] | None:
     """(this rank's index, TP size) when `linear`'s weight is a DTensor sharded on dim 0
     by tensor parallelism (torch's ColwiseParallel, Hugging Face's tp_plan "colwise"):
@@ -151,7 +157,8 @@ def tp_local(t: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Replicate
 
         t = t.redistribute(t.device_mesh, (Replicate(), t.placements[1]))
-    return t.to_local()
+    # a plain tensor is already this rank's part (torchtitan's spmd_types backend)
+    return t.to_local() if callable(getattr(t, "to_local", None)) else t
 
 
 def local_rows(linear: nn.Linear, stop: int) -> Callable[[], torch.Tensor]:

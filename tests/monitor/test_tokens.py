@@ -1,45 +1,17 @@
 """flashwatch/monitor/tokens.py and the probe's exact statistics: every row by default,
 padding query rows left out (set_valid_tokens, a Hugging Face model's attention_mask),
-against FP64 truths computed here from the q and k the model handed SDPA."""
+against FP64 truths from the q and k the model handed SDPA (tests/sdpa_calls.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 from _helpers import batch
-from sdpa_calls import SdpaCalls, scores
+from sdpa_calls import SdpaCalls, check_heads, head_truth
 
 import flashwatch as fw
 from flashwatch.monitor import probe
 from flashwatch.nanogpt import GPT, GPTConfig
-
-EPS = fw.WatchConfig().eps
-
-
-def _truth(call, real=None):
-    """FP64 per head: (tied rows, max score) over the call's rows (real [B, N]: those
-    only), a tie = a second visible score within EPS of the row max."""
-    s = scores(call)
-    mx = s.amax(-1, keepdim=True)
-    tied = ((s >= mx - EPS).sum(-1) >= 2) & torch.isfinite(mx[..., 0])
-    if real is not None:
-        tied = tied & real[:, None]
-        mx = mx.masked_fill(~real[:, None, :, None], -math.inf)
-    return tied.sum((0, 2)), mx.amax((0, 2, 3)), (s.shape[0] * s.shape[2] if real is None
-                                                  else int(real.sum()))
-
-
-def _check(report, calls, layers, real=None):
-    """Every head's max logit, tied rows and rows equal the truth (ties: exactly)."""
-    by = {(h.layer, h.head): h for h in report.heads}
-    for name, call in zip(layers, calls, strict=True):
-        tied, mx, rows = _truth(call, real)
-        for h in range(len(tied)):
-            rec = by[(name, h)]
-            assert rec.attention_max_logit == pytest.approx(float(mx[h]), rel=1e-6, abs=1e-6)
-            assert round(rec.tied_rowmax_ratio * rows) == int(tied[h]), (name, h)
 
 
 def _gpt(seed=0):
@@ -69,7 +41,7 @@ def test_max_logit_and_ties_are_exact_over_every_row_by_default(rows_per_head):
     w.remove()
     assert w.monitor_errors_total == 0
     layers = [f"transformer.h.{i}.attn" for i in range(2)]
-    _check(report, seen.calls, layers)
+    check_heads(report, seen.calls, layers)
     by = {(h.layer, h.head): h for h in report.heads}
     assert by[(layers[0], 0)].tied_rowmax_ratio > 0.9  # the planted head
     # the sample is the δ probe's only: fewer rows than the batch
@@ -95,17 +67,17 @@ def test_set_valid_tokens_leaves_padding_rows_out():
     loss.backward()
     report = w.step()
     layers = [f"transformer.h.{i}.attn" for i in range(2)]
-    _check(report, seen.calls, layers, real)
+    check_heads(report, seen.calls, layers, real)
     # the padded rows change some head's truth: the check above could fail
     assert any(not torch.equal(a, b) for c in seen.calls
-               for a, b in zip(_truth(c)[:2], _truth(c, real)[:2], strict=True))
+               for a, b in zip(head_truth(c)[:2], head_truth(c, real)[:2], strict=True))
     w.set_valid_tokens(None)  # cleared: every row counts again
     with SdpaCalls() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
         _, loss = model(x, y)
     loss.backward()
     report = w.step()
     w.remove()
-    _check(report, seen.calls, layers)
+    check_heads(report, seen.calls, layers)
     assert w.monitor_errors_total == 0
 
 
@@ -128,7 +100,7 @@ def test_a_mask_that_does_not_fit_the_call_counts_every_row_and_says_so(caplog):
     loss.backward()
     report = w.step()
     w.remove()
-    _check(report, seen.calls, [f"transformer.h.{i}.attn" for i in range(2)])
+    check_heads(report, seen.calls, [f"transformer.h.{i}.attn" for i in range(2)])
     assert "not the valid-token mask's (4, 31)" in caplog.text
 
 
@@ -159,7 +131,7 @@ def test_a_hugging_face_models_attention_mask_reaches_the_probe():
     w.remove()
     assert w.monitor_errors_total == 0
     layers = [f"encoder.layer.{i}.attention.self" for i in range(2)]
-    _check(report, seen.calls, layers, am.bool())
+    check_heads(report, seen.calls, layers, am.bool())
     assert min(h.tied_rowmax_ratio for h in report.heads if h.head == 0) == 1.0  # 19 of 19
 
 
