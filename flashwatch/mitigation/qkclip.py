@@ -355,6 +355,12 @@ def kv_factors(eta: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 def check_site(site: AttentionSite) -> None:
     """Raise ValueError when QK-clip cannot scale this site's K weight."""
+    if site.k_module is None and site.global_heads is not None:
+        raise ValueError(
+            f"qk_clip_threshold is set but site {site.name!r} has its heads split over "
+            "ranks by context parallelism while its W^Q and W^K are whole on every rank: "
+            "a clip of one rank's heads would make the replicas differ; QK-clip is not "
+            "supported there yet, leave qk_clip_threshold None")
     if site.k_module is None or site.k_index is None or site.q_index is None:
         raise ValueError(
             f"qk_clip_threshold is set but site {site.name!r} is {site.kind!r} without "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashwatch.sites import torchtitan
+from flashwatch.sites import olmo_core, torchtitan
 from flashwatch.sites.site import AttentionSite
 from flashwatch.sites.weights import fsdp_x_tp, tp_hooked
 
@@ -33,6 +33,9 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     q = site.q_module
     if site.global_heads is not None or not isinstance(q, nn.Linear):
         return None
+    cp = olmo_core.ulysses(site.module)  # heads split by context parallelism after attach
+    if cp is not None:
+        return cp[1]
     w = getattr(q, "weight", None)
     if w is not None and not is_dtensor(w) and q.out_features % w.shape[0] == 0 \
             and w.shape[0] < q.out_features:  # a trainer's own split into plain local rows

@@ -192,6 +192,10 @@ def _match_separate(name, module, names, projs, where, rejected, under_fsdp=Fals
         rejected.append(f"{where}: needs {', '.join(names)} all nn.Linear, has {kinds}")
         return None
     q_proj, k_proj, v_proj = projs
+    cp = None if trainer is None or trainer.context_parallel is None else \
+        trainer.context_parallel(module)
+    if cp is not None:
+        return _match_context_parallel(name, module, names, projs, where, cp)
     tp = _tensor_parallel(q_proj, under_fsdp, trainer)
     if tp is not None:
         _tensor_parallel(k_proj, under_fsdp, trainer)  # its local rows are QK-clip's K
@@ -254,6 +258,31 @@ def _match_tensor_parallel(name, module, names, projs, where, tp) -> AttentionSi
         wq_source=local_rows(q_proj, h * D), layout="q", k_module=k_proj,
         k_index=torch.arange(hkv * D), global_heads=H, head_offset=rank * h,
         channel_offsets=(rank * h * D, rank * hkv * D))
+
+
+def _match_context_parallel(name, module, names, projs, where, cp) -> AttentionSite:
+    """Separate Q, K, V Linears, whole on every rank, of an attention module whose heads
+    context parallelism splits over ranks (Ulysses): this rank's site holds head chunk
+    `rank` ([rank · H/size, ...) and their K/V heads), its W^Q rows of the whole weight.
+    No K for QK-clip: W^Q and W^K are replicas on every rank, which a clip of this
+    rank's heads alone would make differ."""
+    q_proj, k_proj, _ = projs
+    rank, size = cp
+    H, D = _lookup_int(module, HEAD_ATTRS), _lookup_int(module, HEAD_DIM_ATTRS)
+    if H is None:
+        raise ValueError(_no_heads(where, names[0], module))
+    D = D or q_proj.out_features // H
+    Hkv = _lookup_int(module, KV_HEAD_ATTRS) or k_proj.out_features // D
+    if H % size or Hkv % size:
+        raise ValueError(f"{where}: {H} query and {Hkv} key/value heads do not split into "
+                         f"whole heads over {size} context-parallel ranks")
+    h, hkv = H // size, Hkv // size
+    first = rank * h * D
+    return AttentionSite(
+        name=name, module=module, num_heads=h, num_kv_heads=hkv, head_dim=D,
+        d_model=q_proj.in_features, q_module=q_proj, kind="hf",
+        q_slice_of_output=(first, first + h * D), wq_source=rows_of(q_proj, first, first + h * D),
+        layout="q", k_module=None, k_index=None, global_heads=H, head_offset=rank * h)
 
 
 def _match_fused_tensor_parallel(name, module, qkv, layout, H, Hkv, D, tp, where

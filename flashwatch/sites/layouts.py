@@ -234,6 +234,9 @@ class TrainerLayout:
       from the module when the usual attributes (discovery.HEAD_ATTRS) do not hold them.
       tensor_parallel: (rank, size) of a projection the trainer split by tensor
       parallelism without DTensors (plain local weights), else None.
+      context_parallel: (rank, size) of an attention module whose heads the trainer's
+      context parallelism hands out over ranks (Ulysses: an all-to-all gives rank r
+      head chunk r over the whole sequence; the weights stay whole), else None.
     """
 
     trainer: str
@@ -244,6 +247,7 @@ class TrainerLayout:
     fused_layout: str = "q"
     heads: Callable[[nn.Module], tuple[int | None, int | None, int | None]] | None = None
     tensor_parallel: Callable[[nn.Module], tuple[int, int] | None] | None = None
+    context_parallel: Callable[[nn.Module], tuple[int, int] | None] | None = None
 
     def projections(self, module: nn.Module) -> nn.Module | None:
         """The module holding this layout's projections when `module` is one of this

@@ -11,7 +11,7 @@ from _trainers import ROWS
 
 TABLE = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
 TRAINERS = "\n## Trainers\n"  # as tests/test_compat.py, which writes what comes before
-EXPECTED = 18  # rows: torchtitan 6 + 2 + 1 in one process and 4 under TP, OLMo-core 5
+EXPECTED = 30  # rows: torchtitan 6 + 2 + 1 in one process and 4 under TP; OLMo-core 5 + 6 TP + 6 CP
 
 
 def section() -> str:
