@@ -6,6 +6,7 @@ over two BF16 AdamW steps."""
 from __future__ import annotations
 
 import pytest
+import torch
 from _trainers import TITAN_VOCAB, titan_llama, titan_sites, watch_and_check
 
 
@@ -45,3 +46,22 @@ def test_parallelized_llama3_on_one_cpu_rank(torchtitan_on_cpu, gloo_world, tmp_
     watch_and_check(model, TITAN_VOCAB, titan_sites(),
                     row=("torchtitan 0.3.0", "Llama3, fuse_qkv=True",
                          "parallelize_llama: SelectiveAC + FSDP2, 1 gloo rank"))
+
+
+@pytest.mark.parametrize("ac", [None, "selective"])
+def test_llama3_compiled_per_block(ac, torchtitan_on_cpu):
+    """torchtitan's apply_compile (each TransformerBlock compiled, fullgraph=True, after
+    activation checkpointing as parallelize_llama orders them), aot_eager on CPU: the
+    monitored steps measure what the compiled blocks compute."""
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.compile import apply_compile
+
+    torch._dynamo.reset()
+    model = titan_llama(ac=ac)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    apply_compile(model, compile_config=CompileConfig(enable=True, backend="aot_eager"),
+                  parallel_dims=dims)
+    watch_and_check(model, TITAN_VOCAB, titan_sites(),
+                    row=("torchtitan 0.3.0", "Llama3, fuse_qkv=True",
+                         f"apply_compile per block (aot_eager), AC {ac or 'none'}"))

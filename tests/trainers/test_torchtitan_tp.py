@@ -122,3 +122,86 @@ def test_tensor_parallel_heads_are_exact_by_global_index(ranks, backend, when):
         "every global head: ties exact vs the rank's SDPA call, W^Q σ ≤ 1e-3 vs the "
         "unsharded model" + ("" if backend == "spmd_types" else ", max logit ≤ 1e-4 vs it")
         + "; 0 errors")
+
+
+def _fsdp_tp_worker(rank, world, init_file, out_dir):
+    """FSDP2 × TP by parallelize_llama (dp_shard 2 × tp 2, partial_dtensor: the spmd_types
+    path's fully_shard raises on CPU, above), each dp replica its own batch."""
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3 import parallelize_llama
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    dp = rank // 2  # tp is innermost in ParallelDims' mesh
+    tokens = torch.randint(0, TITAN_VOCAB, (2, 32),
+                           generator=torch.Generator().manual_seed(10 + dp))
+    out = {}
+    with torchtitan_on_cpu():
+        for when in ("before", "after"):
+            model = titan_llama(sharded=True)
+            w = fw.watch(model, every_n_steps=1) if when == "before" else None
+            dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1,
+                                world_size=world, spmd_backend="partial_dtensor")
+            parallelize_llama(
+                model, parallel_dims=dims,
+                training=TrainingConfig(mixed_precision_param="float32"),
+                parallelism=ParallelismConfig(data_parallel_shard_degree=2,
+                                              tensor_parallel_degree=2,
+                                              spmd_backend="partial_dtensor"),
+                compile_config=CompileConfig(), ac_config=None, dump_folder=out_dir)
+            # torchtitan sets FSDP2's gradient divide factor 1, reduced as PREMUL_SUM(1),
+            # which gloo lacks ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): SUM is the
+            # same reduction
+            for m in model.modules():
+                if hasattr(m, "set_force_sum_reduction_for_comms"):
+                    m.set_force_sum_reduction_for_comms(True)
+            w = w or fw.watch(model, every_n_steps=1)
+            calls = _step(model, tokens)
+            report = w.step()
+            out[when] = dict(calls=[head_truth(c) for c in calls],
+                             errors=w.monitor_errors_total,
+                             heads=[(h.layer, h.head, h.attention_max_logit,
+                                     h.tied_rowmax_ratio, h.wq_spectral_norm)
+                                    for h in report.heads])
+            w.remove()
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_ranks(tmp_path_factory):
+    from _helpers import gloo_ranks
+
+    return gloo_ranks(_fsdp_tp_worker, 4, tmp_path_factory.mktemp("fsdp_tp"))
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_fsdp2_x_tp_heads_sum_the_dp_replicas_by_global_index(fsdp_tp_ranks, when):
+    """Each global head is held by one tp rank in each of 2 dp replicas: its tied rows
+    are the sum of the two replicas' calls, its max logit their max (FP64 truths of each
+    rank's own SDPA call), W^Q σ the unsharded model's; every rank reports the same."""
+    local = TITAN_HEADS // 2
+    whole = titan_llama()
+    sigma = [torch.linalg.matrix_norm(s.wq().double(), ord=2) for s in find_sites(whole)]
+    reports = [r[when] for r in fsdp_tp_ranks]
+    assert [r["errors"] for r in reports] == [0] * 4
+    assert all(r["heads"] == reports[0]["heads"] for r in reports)
+    by = {(layer, h): (m, t, s) for layer, h, m, t, s in reports[0]["heads"]}
+    for i, name in enumerate(titan_sites()):
+        for h in range(TITAN_HEADS):
+            tp, j = divmod(h, local)
+            truths = [fsdp_tp_ranks[dp * 2 + tp][when]["calls"][i] for dp in range(2)]
+            tied = sum(int(t[0][j]) for t in truths)
+            rows = sum(t[2] for t in truths)
+            m, ratio, s = by[(name, h)]
+            assert m == pytest.approx(max(float(t[1][j]) for t in truths), rel=1e-5)
+            assert round(ratio * rows) == tied
+            assert s == pytest.approx(float(sigma[i][h]), rel=1e-3)
+    ROWS[("torchtitan 0.3.0", "Llama3, fuse_qkv=True",
+          f"FSDP2 × TP (2 × 2 gloo ranks), partial_dtensor, watched {when} parallelize")] = (
+        "layers.{i}.attention: fused_qkv, per_group_qkv, 8 of 16 heads per tp rank",
+        "every global head: ties and max logit over both dp replicas exact vs their SDPA "
+        "calls, W^Q σ ≤ 1e-3 vs the unsharded model; 0 errors")
