@@ -119,6 +119,11 @@ class Recorder(ProbeRecorder):
         # route and probe what SDPA computes with (autocast: rotary models hand it FP32
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
+        if q.dim() == 4 and q.shape[1] == st.site.num_heads \
+                and unnarrowed_tp(st.site) is not None:
+            # its Q projection split, yet every head here: the output was gathered (the
+            # same on every rank, as the split and the call are)
+            st.site.output_gathered = True
         why = "a decode step folding query heads?"
         if q.dim() == 4 and q.shape[1] < st.site.num_heads \
                 and unnarrowed_tp(st.site) is not None:

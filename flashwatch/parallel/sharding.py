@@ -31,7 +31,7 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     Its whole-layer W^Q is none of this rank's heads': its norms and gradient rows are
     not computed, and never by a collective its narrowed peers would not issue."""
     q = site.q_module
-    if site.global_heads is not None or not isinstance(q, nn.Linear):
+    if site.global_heads is not None or site.output_gathered or not isinstance(q, nn.Linear):
         return None
     cp = olmo_core.ulysses(site.module)  # heads split by context parallelism after attach
     if cp is not None:

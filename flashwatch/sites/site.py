@@ -84,7 +84,10 @@ class AttentionSite:
       are heads [head_offset, head_offset + num_heads) of the layer's global_heads.
       None and 0 otherwise. channel_offsets: then the global output channels of this
       rank's first rows of q_module and k_module (QK-clip writes the global channels
-      q_index + offset, k_index + offset).
+      q_index + offset, k_index + offset). output_gathered: its Q projection is split
+      by tensor parallelism but its output gathered (ColwiseParallel with
+      output_layouts=Replicate(), HF's "colwise_gather_output"), so every rank computes
+      every head: found at the first call with all the layer's heads.
     """
 
     name: str
@@ -104,6 +107,7 @@ class AttentionSite:
     global_heads: int | None = None
     head_offset: int = 0
     channel_offsets: tuple[int, int] | None = None
+    output_gathered: bool = False
 
     @property
     def layer_heads(self) -> int:

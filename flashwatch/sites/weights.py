@@ -40,6 +40,12 @@ def plain_call(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     params = dict(module.named_parameters())
     if not any(callable(getattr(p, "full_tensor", None)) for p in params.values()):
         return module
+    if isinstance(module, nn.Linear):  # without parallelize_module's hooks, which would
+        # make X a DTensor beside the gathered plain weight (a packed [Q | K | V] split
+        # by ColwiseParallel with its output gathered: every rank computes every head)
+        return lambda x: torch.nn.functional.linear(
+            x, gathered(module.weight.detach()),
+            None if module.bias is None else gathered(module.bias.detach()))
     plain = {n: gathered(p.detach()) for n, p in params.items()}
     return lambda x: torch.func.functional_call(module, plain, (x,))
 

@@ -97,3 +97,63 @@ def test_qk_clip_writes_the_rows_one_process_writes(ranks):
         assert sorted(r["clipped"]) == sorted(want)
         for n, t in want.items():
             torch.testing.assert_close(r["clipped"][n], t, rtol=0, atol=0)
+
+
+def _packed_worker(rank, world, init_file, out_dir):
+    """Hugging Face Phi-3's packed qkv_proj ([Q | K | V], GQA) under its TP plan's
+    "colwise_gather_output": ColwiseParallel with the output gathered, so every rank
+    computes every head from a weight split by rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from standins import hf_inputs, hf_tiny
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for when in ("after", "before"):
+        model, kind = hf_tiny("phi3")
+        w = fw.watch(model, every_n_steps=1) if when == "before" else None
+        for layer in model.model.layers:
+            parallelize_module(layer.self_attn, mesh,
+                               {"qkv_proj": ColwiseParallel(output_layouts=Replicate())})
+        w = w or fw.watch(model, every_n_steps=1)
+        inputs = hf_inputs(kind, B=2, N=12)
+        model(**inputs, labels=inputs["input_ids"]).loss.backward()
+        report = w.step()
+        out[when] = dict(errors=w.monitor_errors_total, heads=report.heads)
+        w.remove()
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def packed_ranks(tmp_path_factory):
+    return gloo_ranks(_packed_worker, 2, tmp_path_factory.mktemp("packed_tp"))
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_packed_qkv_with_gathered_output_is_measured_whole(packed_ranks, when):
+    """Was: attach raised on every rank (after), or every head NaN (before). Every rank
+    measures every head, each head counted as held by both (ties over the same rows
+    twice, divided by 2), and W^Q σ from the rows each rank holds."""
+    from standins import hf_inputs, hf_tiny
+
+    model, kind = hf_tiny("phi3")
+    sites = find_sites(model)
+    sigma = {s.name: torch.linalg.matrix_norm(s.wq().double(), ord=2) for s in sites}
+    inputs = hf_inputs(kind, B=2, N=12)
+    with SdpaCalls() as calls:
+        model(**inputs)
+    for r in packed_ranks:
+        got = r[when]
+        assert got["errors"] == 0
+        report = type("R", (), {"heads": got["heads"]})
+        check_heads(report, calls.calls, [s.name for s in sites], rel=1e-5)
+        for h in got["heads"]:
+            assert h.wq_spectral_norm == pytest.approx(float(sigma[h.layer][h.head]),
+                                                       rel=1e-3)
