@@ -44,7 +44,7 @@ from flashwatch.signals.spectral import (
     start_vector,
 )
 from flashwatch.sites.site import AttentionSite
-from flashwatch.sites.weights import fsdp_x_tp
+from flashwatch.sites.weights import dp_shard_dim, fsdp_x_tp
 
 
 def spectral_norm(site: AttentionSite, v: torch.Tensor | None, iters: int, **kwargs
@@ -133,7 +133,8 @@ def _unnarrowed(site: AttentionSite, tp: int, iters: int, monitor, **kwargs) -> 
         try:
             host_power_iteration(torch.zeros(0, site.d_model), torch.zeros(0, dtype=torch.int64),
                                  site.num_heads // tp, site.d_model, None, iters,
-                                 group=monitor.subgroup(w.device_mesh.get_group(0)),
+                                 group=monitor.subgroup(
+                                     w.device_mesh.get_group(dp_shard_dim(w))),
                                  failed=True, **kwargs)
         except Exception as e:  # RemoteFailure: this rank's own flag, counted already
             _broken(monitor, e)
@@ -167,8 +168,8 @@ def symmetric_sharded_norm(site: AttentionSite, v, iters: int, monitor=None, **k
     FSDP2 × TP's dp group, a pipeline stage's FSDP2 mesh); without a monitor (a direct
     call), on the mesh's own group."""
     fsdp_tp = _fsdp_tp_weight(site)
-    if fsdp_tp is not None:  # the ranks holding this TP rank's rows: its dp group
-        group = fsdp_tp.device_mesh.get_group(0)
+    if fsdp_tp is not None:  # the ranks holding this TP rank's rows: its dp shard group
+        group = fsdp_tp.device_mesh.get_group(dp_shard_dim(fsdp_tp))
     else:
         group = site.wq_source.rows_of[0].weight.device_mesh.get_group(0)  # is_row_sharded
     error = None

@@ -10,7 +10,7 @@ from torch import nn
 
 from flashwatch.sites import olmo_core, torchtitan
 from flashwatch.sites.site import AttentionSite
-from flashwatch.sites.weights import fsdp_x_tp, tp_hooked
+from flashwatch.sites.weights import dp_shard_dim, fsdp_x_tp, tp_hooked
 
 
 def world_size() -> int:
@@ -92,7 +92,7 @@ def local_wq_rows(site: AttentionSite):
     w = _fsdp_tp_weight(site)
     if w is not None:
         rows, head = _tp_rows(site, w)
-        return rows, head, w.device_mesh.get_group(0)
+        return rows, head, w.device_mesh.get_group(dp_shard_dim(w))
     source = getattr(site.wq_source, "rows_of", None)  # set by sites/weights.rows_of
     if source is None:
         return None
@@ -124,7 +124,13 @@ def wq_grad_sq(site: AttentionSite, grad: torch.Tensor) -> tuple[torch.Tensor, b
         rows, head = _tp_rows(site, grad)
         out = torch.zeros(H, dtype=torch.float64, device=rows.device)
         out.index_add_(0, head, rows.double().square().sum(-1))
-        return out, True  # each row on one rank of the dp group: the SUM adds them
+        # each row on one rank of the dp shard group (the SUM adds them), and on each
+        # of HSDP's replicas of that group (counted once)
+        mesh = grad.device_mesh
+        replicas = 1
+        for d in range(mesh.ndim - 2):
+            replicas *= mesh.size(d)
+        return (out / replicas if replicas > 1 else out), True
     if site.global_heads is not None and is_dtensor(grad):  # TP: this rank's own heads
         grad = grad.to_local()
     if not is_dtensor(grad):
@@ -165,7 +171,8 @@ def _tp_rows(site: AttentionSite, t) -> tuple[torch.Tensor, torch.Tensor]:
 
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
                                                           t.placements)
-    tp_rank, tp_size = t.device_mesh.get_local_rank(1), t.device_mesh.size(1)
+    tp = t.device_mesh.ndim - 1  # the tp dim: the last
+    tp_rank, tp_size = t.device_mesh.get_local_rank(tp), t.device_mesh.size(tp)
     per_tp = -(-t.shape[0] // tp_size)
     local = t.to_local().detach()
     if local.shape[0] != shape[0]:

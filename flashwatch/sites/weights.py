@@ -127,12 +127,14 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
         if not fsdp_x_tp(w):
             raise ValueError(
                 f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
-                f"is sharded on a {len(placements)}-D mesh ({placements}: HSDP × TP?) is "
-                f"not supported; FSDP2 × TP on a (dp, tp) mesh is (placements "
-                f"(_StridedShard(0), Shard(0))), and TP on a 1-D mesh; or leave these "
-                f"layers out with sites=... (docs/limits.md)")
+                f"is sharded on a {len(placements)}-D mesh as {placements} is not "
+                f"supported; FSDP2 × TP on a (dp, tp) mesh is (placements "
+                f"(_StridedShard(0), Shard(0))), HSDP × TP on (replicate, shard, tp) "
+                f"(Replicate(), _StridedShard(0), Shard(0)), and TP on a 1-D mesh; or "
+                f"leave these layers out with sites=... (docs/limits.md)")
         _TP_LINEARS.add(linear)
-        return w.device_mesh.get_local_rank(1), w.device_mesh.size(1)
+        tp = w.device_mesh.ndim - 1  # the tp dim: the last
+        return w.device_mesh.get_local_rank(tp), w.device_mesh.size(tp)
     if under_fsdp or not placements[0].is_shard(0):
         return None
     _TP_LINEARS.add(linear)
@@ -148,21 +150,30 @@ def tp_hooked(linear: nn.Module) -> bool:
 
 
 def fsdp_x_tp(w) -> bool:
-    """`w` is a DTensor of FSDP2 × TP outside the forward: rows sharded over tp (dim 1)
-    and, within each tp shard, over dp (dim 0): placements (_StridedShard(0), Shard(0))."""
+    """`w` is a DTensor of FSDP2 × TP outside the forward: rows sharded over tp (the last
+    mesh dim) and, within each tp shard, over FSDP2's shard dim (the one before it):
+    placements (_StridedShard(0), Shard(0)); under HSDP × TP with replicate dims first,
+    (Replicate(), _StridedShard(0), Shard(0))."""
     p = tuple(getattr(w, "placements", ()))
-    return (len(p) == 2 and type(p[0]).__name__ == "_StridedShard" and p[0].dim == 0
-            and type(p[1]).__name__ == "Shard" and p[1].dim == 0)
+    return (len(p) >= 2 and all(x.is_replicate() for x in p[:-2])
+            and type(p[-2]).__name__ == "_StridedShard" and p[-2].dim == 0
+            and type(p[-1]).__name__ == "Shard" and p[-1].dim == 0)
+
+
+def dp_shard_dim(w) -> int:
+    """The mesh dim over which FSDP2 shards an FSDP2 × TP weight's rows (fsdp_x_tp)."""
+    return w.device_mesh.ndim - 2
 
 
 def tp_local(t: torch.Tensor) -> torch.Tensor:
     """A tensor-parallel weight's (or bias's) part on this TP rank, as a plain tensor:
     its local shard; under FSDP2 × TP, outside the forward, gathered over dp first (a
-    collective on the dp group: call it on every rank)."""
+    collective on the dp groups: call it on every rank)."""
     if fsdp_x_tp(t):
         from torch.distributed.tensor import Replicate
 
-        t = t.redistribute(t.device_mesh, (Replicate(), t.placements[1]))
+        t = t.redistribute(t.device_mesh,
+                           (Replicate(),) * (t.device_mesh.ndim - 1) + (t.placements[-1],))
     # a plain tensor is already this rank's part (torchtitan's spmd_types backend)
     return t.to_local() if callable(getattr(t, "to_local", None)) else t
 

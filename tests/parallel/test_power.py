@@ -42,6 +42,7 @@ def test_a_collective_that_raises_breaks_the_monitor_group(monkeypatch):
     # from then on a row-sharded site gets an error and no collective is issued
     monkeypatch.setattr(power, "is_row_sharded", lambda site: True)
     calls.clear()
-    site = types.SimpleNamespace(name="layers.0.attention", q_module=None, global_heads=None)
+    site = types.SimpleNamespace(name="layers.0.attention", q_module=None, global_heads=None,
+                                 output_gathered=False)
     got = power.spectral_norms([site], [None], 3, monitor=monitor)
     assert isinstance(got[0], RuntimeError) and "unusable" in str(got[0]) and not calls

@@ -175,3 +175,30 @@ def watch_and_check(model, vocab, sites, row=None):
     assert sum(int(head_truth(c)[0].sum()) for _, calls in steps for c in calls) > 0
     if row is not None:
         record(row, w.sites, "every head: max logit ≤ 1e-4, ties exact vs FP64; 0 errors")
+
+
+# --------------------------------------------------------------- sharded-model steps
+
+
+def forward_backward(model, tokens):
+    """A forward and backward in FP32 (so the unsharded model is a truth to 1e-4), the
+    weights left as they are (W^Q σ is then the unsharded model's); the SDPA calls of
+    the forward. The loss is any function of the logits (the truths are of the forward):
+    under TP they are this rank's vocabulary shard (the trainer's loss_parallel takes
+    them as they are), or a DTensor."""
+    with SdpaCalls() as seen:
+        logits = model(tokens)
+    logits = logits.full_tensor() if callable(getattr(logits, "full_tensor", None)) else logits
+    logits.float().square().mean().backward()
+    model.zero_grad()
+    return seen.calls
+
+
+def step_record(watcher, calls) -> dict:
+    """watcher.step() after `forward_backward`, as a rank saves it: the FP64 truths of
+    its own SDPA calls, its monitor errors, and every (layer, head, max logit, tie ratio,
+    W^Q σ) of the report."""
+    report = watcher.step()
+    return dict(calls=[head_truth(c) for c in calls], errors=watcher.monitor_errors_total,
+                heads=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
+                        h.wq_spectral_norm) for h in report.heads])

@@ -13,28 +13,23 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _trainers import ROWS, TITAN_HEADS, TITAN_VOCAB, titan_llama, titan_sites, torchtitan_on_cpu
-from sdpa_calls import SdpaCalls, head_truth
+from _trainers import (
+    ROWS,
+    TITAN_HEADS,
+    TITAN_VOCAB,
+    forward_backward,
+    step_record,
+    titan_llama,
+    titan_sites,
+    torchtitan_on_cpu,
+)
+from sdpa_calls import head_truth
 
 import flashwatch as fw
 from flashwatch.sites import find_sites
 
 WORLD = 2
 CASES = [(b, w) for b in ("spmd_types", "partial_dtensor") for w in ("before", "after")]
-
-
-def _step(model, tokens):
-    """A forward and backward in FP32 (so the unsharded model is a truth to 1e-4), the
-    weights left as they are (W^Q σ is then the unsharded model's); the SDPA calls of
-    the forward. The loss is any function of the logits (the truths are of the forward):
-    under TP they are this rank's vocabulary shard (the trainer's loss_parallel takes
-    them as they are), a DTensor with partial_dtensor."""
-    with SdpaCalls() as seen:
-        logits = model(tokens)
-    logits = logits.full_tensor() if callable(getattr(logits, "full_tensor", None)) else logits
-    logits.float().square().mean().backward()
-    model.zero_grad()
-    return seen.calls
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -47,7 +42,7 @@ def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     tokens = torch.randint(0, TITAN_VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     whole = titan_llama()
-    whole_calls = _step(whole, tokens)
+    whole_calls = forward_backward(whole, tokens)
     sigma = [torch.linalg.matrix_norm(s.wq().double(), ord=2) for s in find_sites(whole)]
     out = {"whole": [head_truth(c)[1] for c in whole_calls], "sigma": sigma}
     with torchtitan_on_cpu():
@@ -71,12 +66,7 @@ def _worker(rank, world, init_file, out_dir):
                                                   spmd_backend=backend),
                     compile_config=CompileConfig(), ac_config=None, dump_folder=out_dir)
             w = w or fw.watch(model, every_n_steps=1)
-            calls = _step(model, tokens)
-            report = w.step()
-            out[(backend, when)] = dict(
-                calls=[head_truth(c) for c in calls], errors=w.monitor_errors_total,
-                heads=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
-                        h.wq_spectral_norm) for h in report.heads])
+            out[(backend, when)] = step_record(w, forward_backward(model, tokens))
             w.remove()
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
@@ -158,13 +148,7 @@ def _fsdp_tp_worker(rank, world, init_file, out_dir):
                 if hasattr(m, "set_force_sum_reduction_for_comms"):
                     m.set_force_sum_reduction_for_comms(True)
             w = w or fw.watch(model, every_n_steps=1)
-            calls = _step(model, tokens)
-            report = w.step()
-            out[when] = dict(calls=[head_truth(c) for c in calls],
-                             errors=w.monitor_errors_total,
-                             heads=[(h.layer, h.head, h.attention_max_logit,
-                                     h.tied_rowmax_ratio, h.wq_spectral_norm)
-                                    for h in report.heads])
+            out[when] = step_record(w, forward_backward(model, tokens))
             w.remove()
     torch.save(out, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
