@@ -37,9 +37,9 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     if cp is not None:
         return cp[1]
     w = getattr(q, "weight", None)
-    if w is not None and not is_dtensor(w) and q.out_features % w.shape[0] == 0 \
-            and w.shape[0] < q.out_features:  # a trainer's own split into plain local rows
-        return q.out_features // w.shape[0]
+    rows = w.shape[0] if w is not None and w.dim() == 2 else 0  # FSDP1's flat views: 0
+    if rows and not is_dtensor(w) and rows < q.out_features and q.out_features % rows == 0:
+        return q.out_features // rows  # a trainer's own split into plain local rows
     if not is_dtensor(w) or not (tp_hooked(q) or torchtitan.declares_tensor_parallel(q)):
         return None
     return w.device_mesh.size(w.device_mesh.ndim - 1)  # the tp dim: the last
