@@ -259,7 +259,10 @@ class Watcher:
         """The watcher's state over the job's global head table (flashwatch/monitor/
         saved_state.py): any rank's loads on every rank of the job, and into a job of
         the same model in another parallel layout. Hand-set modes of another rank reach
-        this rank's state at the monitored step after they were set."""
+        this rank's state at the monitored step after they were set. Its keys are the
+        same at every step, so a fresh watcher's state is a torch.distributed.checkpoint
+        load target (the power iteration's warm starts, a per-rank cache keyed by layer,
+        come back only where the target already has that layer's)."""
         pipe = self._pipeline
         return {
             "version": STATE_VERSION,
@@ -273,8 +276,11 @@ class Watcher:
             "rng": self._recorder.gen.get_state(),
             "signals": pipe.signals.state_dict(),
             "policy": pipe.policy.state_dict(),
-            "events": [e.to_dict() for e in pipe.events],
-            "unreported": [e.to_dict() for e in pipe.unreported],
+            # tuples: torch.distributed.checkpoint keeps a tuple whole (one key), where it
+            # would flatten a list of dicts into a key per event, which a fresh watcher's
+            # state (no events) lacks: "Missing key in checkpoint state_dict: events"
+            "events": tuple(e.to_dict() for e in pipe.events),
+            "unreported": tuple(e.to_dict() for e in pipe.unreported),
             "errors_total": self._ledger.total,
             "qk_clip": pipe.qk_clip.state_dict(),
         }

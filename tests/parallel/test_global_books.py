@@ -87,17 +87,29 @@ def _events(events, kind="mode") -> list:
 # --- the jobs each rank runs -------------------------------------------------------
 
 
-def _loads_single_process_state(layout, rank, mesh, out_dir):
+def _loads_single_process_state(layout, rank, mesh, out_dir, via="torch"):
     """The single-process state loaded on every rank: each rank's own heads' modes,
-    then run; this rank's state saved for the way back."""
+    then run; this rank's state saved for the way back. via "dcp": through
+    torch.distributed.checkpoint into a fresh watcher's state, as torchtitan and
+    OLMo-core save and load (every rank saves into one checkpoint folder)."""
+    import torch.distributed.checkpoint as dcp
+
     model = _stage(rank) if layout == "pp" else tp_model(mesh)
     w = fw.watch(model, config=_cfg())
-    w.load_state_dict(torch.load(f"{out_dir}/single.pt", weights_only=True))
+    if via == "dcp":
+        target = {"flashwatch": w.state_dict()}
+        dcp.load(target, checkpoint_id=f"{out_dir}/single_dcp")
+        w.load_state_dict(target["flashwatch"])
+    else:
+        w.load_state_dict(torch.load(f"{out_dir}/single.pt", weights_only=True))
     local = {name: [int(m) for m in modes] for name, modes in w.head_modes().items()}
     step = _stepper(layout, rank, mesh, model)
     step(0)
     r = w.step()
-    torch.save(w.state_dict(), f"{out_dir}/{layout}{rank}.pt")
+    if via == "dcp":
+        dcp.save({"flashwatch": w.state_dict()}, checkpoint_id=f"{out_dir}/{layout}_dcp")
+    else:
+        torch.save(w.state_dict(), f"{out_dir}/{layout}{rank}.pt")
     out = dict(local=local, modes=_modes(r), unmitigable=dict(r.unmitigable),
                errors=w.monitor_errors_total,
                offsets={st.site.name: st.site.head_offset for st in w.layer_states})
@@ -205,8 +217,9 @@ def _keeps_a_hand_set_mode(what_fails, rank):
 
 def _worker(rank, world, init_file, out_dir):
     on_mesh(rank, world, init_file, out_dir, lambda mesh: [
-        *[(f"load_{layout}", functools.partial(_loads_single_process_state, layout, rank,
-                                               mesh, out_dir)) for layout in ("pp", "tp")],
+        *[(f"load_{layout}_{via}", functools.partial(_loads_single_process_state, layout,
+                                                     rank, mesh, out_dir, via))
+          for layout in ("pp", "tp") for via in ("torch", "dcp")],
         *[(f"switch_{layout}", functools.partial(_confirms_every_switch, layout, rank, mesh))
           for layout in ("pp", "tp")],
         *[(f"clip_{layout}", functools.partial(_books_every_clip, layout, rank, mesh))
@@ -238,6 +251,9 @@ def results(tmp_path_factory):
     torch.set_num_threads(1)
     w = _single_process()
     torch.save(w.state_dict(), out / "single.pt")
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"flashwatch": w.state_dict()}, checkpoint_id=out / "single_dcp")  # no group
     w.remove()
     got = gloo_ranks(_worker, 2, out)
     return out, got
@@ -246,11 +262,15 @@ def results(tmp_path_factory):
 # --- 1. the saved state -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("via", ["torch", "dcp"])
 @pytest.mark.parametrize("layout", ["pp", "tp"])
-def test_a_single_process_state_loads_into_each_rank_and_back(results, layout):
+def test_a_single_process_state_loads_into_each_rank_and_back(results, layout, via):
+    """torch.save, or torch.distributed.checkpoint into a fresh watcher's state (which
+    failed with 'Missing key in checkpoint state_dict: events' when the state held
+    events): 1 process → 2 ranks → 1 process."""
     out, got = results
     for rank in (0, 1):
-        r = got[rank][f"load_{layout}"]
+        r = got[rank][f"load_{layout}_{via}"]
         assert r["errors"] == 0
         # each rank holds the modes of its own heads, at their local indices
         want = {}
@@ -259,10 +279,22 @@ def test_a_single_process_state_loads_into_each_rank_and_back(results, layout):
             want[name] = [SAVED.get((name, h), 0) for h in heads]
         assert r["local"] == want, rank
         assert r["modes"] == SAVED and r["unmitigable"] == {}, rank  # and they ran
-    for rank in (0, 1):  # either rank's state loads into one process: every head's mode
-        w = _single_process(torch.load(out / f"{layout}{rank}.pt", weights_only=True))
+    if via == "dcp":  # the job's checkpoint folder loads into one process
+        import torch.distributed.checkpoint as dcp
+
+        fresh = fw.watch(Stage(full_model(), list(range(N_LAYERS)), first=True, last=True),
+                         config=_cfg())
+        target = {"flashwatch": fresh.state_dict()}  # a fresh watcher's: no events
+        fresh.remove()
+        dcp.load(target, checkpoint_id=out / f"{layout}_dcp")
+        states = [target["flashwatch"]]
+    else:  # either rank's state loads into one process: every head's mode
+        states = [torch.load(out / f"{layout}{rank}.pt", weights_only=True) for rank in (0, 1)]
+    for state in states:
+        w = _single_process(state)
         assert {(name, h): int(m) for name, modes in w.head_modes().items()
                 for h, m in enumerate(modes) if m} == SAVED
+        assert len(w.events) == len(SAVED) and w.step_count == 2  # 1 + the ranks' 1
         w.remove()
 
 
