@@ -43,6 +43,7 @@ from flashwatch.report.sinks import Sink
 from flashwatch.sites import NoAttentionLayers, find_sites
 from flashwatch.sites.discovery import split_by_tensor_parallelism
 from flashwatch.sites.layouts import QCheck
+from flashwatch.sites.site import ModelParts
 
 log = logging.getLogger("flashwatch")
 
@@ -97,8 +98,11 @@ class Watcher:
 
     def __init__(self, model: nn.Module, config: WatchConfig | None = None,
                  sinks: Iterable[Sink] | None = None, sites=None):
+        if isinstance(model, (list, tuple)):  # a pipeline rank's model parts
+            model = ModelParts(model)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            raise TypeError(f"model must be a torch.nn.Module or a list of them (a "
+                            f"pipeline rank's model parts), got {type(model).__name__}")
         self.config = cfg = config or WatchConfig()
         if not isinstance(cfg, WatchConfig):
             raise TypeError(f"config must be a flashwatch.WatchConfig, got "
@@ -409,9 +413,11 @@ class Watcher:
         st.routed = routed
 
 
-def watch(model: nn.Module, config: WatchConfig | None = None, sinks=None, sites=None,
-          **kwargs) -> Watcher:
-    """Attach flashwatch to `model`'s attention layers; returns the Watcher.
+def watch(model: nn.Module | list[nn.Module], config: WatchConfig | None = None,
+          sinks=None, sites=None, **kwargs) -> Watcher:
+    """Attach flashwatch to `model`'s attention layers; returns the Watcher. `model` may
+    be a list of the model parts a pipeline rank holds (torchtitan's `model_parts`),
+    whose layers keep the names they have in the whole model.
 
     Pass a WatchConfig, or its fields as keyword arguments (not both). Call
     `watcher.step()` once per optimizer step; `watcher.remove()` (or a `with` block)

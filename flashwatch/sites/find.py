@@ -46,7 +46,16 @@ def find_sites(
     refuse_no_sdpa(found)
     for site in found:
         check_orientation(site)
-    return [_canonical(model, site) for site in found]
+    named = [_canonical(model, site) for site in found]
+    seen: dict[str, int] = {}
+    for site in named:
+        seen[site.name] = seen.get(site.name, 0) + 1
+    twice = sorted(n for n, c in seen.items() if c > 1)
+    if twice:  # the global head table is keyed by name: one name, one layer
+        raise ValueError(f"two attention layers are both named {twice[:3]} once wrapper "
+                         "segments are dropped (model parts holding the same layer?); "
+                         "watch each model once")
+    return named
 
 
 def _canonical(model: nn.Module, site: AttentionSite) -> AttentionSite:

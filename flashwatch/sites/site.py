@@ -186,15 +186,31 @@ WRAPPER_ATTRS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modul
 MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel")
 
 
+class ModelParts(nn.Module):
+    """The model parts one pipeline rank holds (torchtitan's `model_parts`: two or more
+    stages per rank under interleaved schedules), watched as one model: each part under
+    its index, which `canonical_name` drops, so a layer keeps the name it has in the
+    whole model ("layers.3.attention", not "1.layers.3.attention")."""
+
+    def __init__(self, parts):
+        super().__init__()
+        for i, part in enumerate(parts):
+            if not isinstance(part, nn.Module):
+                raise TypeError(f"model part {i} must be a torch.nn.Module, got "
+                                f"{type(part).__name__}")
+            self.add_module(str(i), part)
+
+
 def canonical_name(model: nn.Module, name: str) -> str:
     """`name` (a path in model.named_modules()) without the segments wrappers add:
     `_orig_mod` (torch.compile), `_checkpoint_wrapped_module` (checkpoint_wrapper),
-    `_fsdp_wrapped_module` (FSDP1) and DDP's `module`. FSDP2's fully_shard adds none.
+    `_fsdp_wrapped_module` (FSDP1), DDP's `module` and ModelParts' part index. FSDP2's
+    fully_shard adds none.
     "_orig_mod.transformer.h.0._checkpoint_wrapped_module.attn" -> "transformer.h.0.attn".
     """
     kept, parent = [], model
     for part in name.split(".") if name else []:
-        wrapper = part in WRAPPER_ATTRS or (
+        wrapper = part in WRAPPER_ATTRS or isinstance(parent, ModelParts) or (
             part == "module" and type(parent).__name__ in MODULE_WRAPPERS)
         if not wrapper:
             kept.append(part)

@@ -108,3 +108,22 @@ def test_an_explicit_site_that_names_its_k_can_be_clipped():
     w = fw.watch(model, sites={n: dict(spec, k_module="k_proj") for n in names},
                  qk_clip_threshold=1.0)
     w.remove()
+
+
+def test_a_pipeline_ranks_model_parts_keep_their_whole_model_names():
+    """fw.watch(model_parts), as torchtitan's pipeline_llm returns them (each part a copy
+    of the model with the other stages' layers deleted): names as in the whole model;
+    two parts holding the same layer are refused by name."""
+    import copy
+
+    torch.manual_seed(0)
+    model = TinyMegatron()
+    parts = [copy.deepcopy(model), copy.deepcopy(model)]
+    parts[0].decoder.layers[1] = torch.nn.Identity()  # the other stage's layer: gone
+    parts[1].decoder.layers[0] = torch.nn.Identity()
+    w = fw.watch(parts)
+    assert [s.name for s in w.sites] == ["decoder.layers.0.self_attention",
+                                         "decoder.layers.1.self_attention"]
+    w.remove()
+    with pytest.raises(ValueError, match="both named"):
+        fw.watch([copy.deepcopy(model), copy.deepcopy(model)])

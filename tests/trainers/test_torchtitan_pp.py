@@ -1,8 +1,9 @@
 """torchtitan 0.3.0's pipeline parallelism by its own pipeline_llm (4 layers over 2 gloo
 ranks, 2 microbatches of 1; schedules 1F1B, GPipe and Interleaved1F1B, whose ranks hold
-two stages each, watched as one nn.ModuleList of the rank's model parts): every layer,
-held by one stage, reported by every rank under its global name, each head's max logit
-and tied rows against the FP64 truth of the unsharded model's forward on the batch."""
+two stages each), the rank's model parts watched as pipeline_llm returns them,
+fw.watch(model_parts): every layer, held by one stage, reported by every rank under its
+name in the whole model, each head's max logit and tied rows against the FP64 truth of
+the unsharded model's forward on the batch."""
 
 from __future__ import annotations
 
@@ -49,8 +50,7 @@ def _worker(rank, world, init_file, out_dir):
                 device=torch.device("cpu"), model_config=model_config,
                 parallelize_fn=lambda m, **kw: m,  # no SPMD parallelism here
                 loss_fn=_loss)
-            w = fw.watch(parts[0] if len(parts) == 1 else torch.nn.ModuleList(parts),
-                         every_n_steps=1)
+            w = fw.watch(parts, every_n_steps=1)
             if first:
                 schedule.step(tokens[:, :-1], target=tokens[:, 1:] if last else None)
             else:
@@ -82,9 +82,7 @@ def test_every_stage_layer_by_its_name(ranks, schedule):
     for r in ranks:
         got = r[schedule]
         assert got["errors"] == 0
-        # Interleaved: the ModuleList of the rank's parts prefixes its index ("0.", "1.")
-        by = {(layer.split(".", 1)[1] if schedule == "Interleaved1F1B" else layer, h): (m, t)
-              for layer, h, m, t in got["heads"]}
+        by = {(layer, h): (m, t) for layer, h, m, t in got["heads"]}
         assert len(by) == LAYERS * TITAN_HEADS
         for i, call in enumerate(calls.calls):
             tied, mx, rows = head_truth(call)
@@ -94,8 +92,6 @@ def test_every_stage_layer_by_its_name(ranks, schedule):
                 assert round(t * rows) == int(tied[h])
     ROWS[("torchtitan 0.3.0", "Llama3, fuse_qkv=True, 4 layers",
           f"pipeline_llm {schedule}, 2 gloo ranks, 2 microbatches")] = (
-        "layers.{i}.attention by stage" + (" (named with the ModuleList index of the "
-                                           "rank's part)" if schedule == "Interleaved1F1B"
-                                           else ""),
+        "layers.{i}.attention by stage, fw.watch(model_parts)",
         "every layer's heads on every rank: max logit ≤ 1e-4, ties exact vs FP64 of the "
         "unsharded forward; 0 errors")
