@@ -508,13 +508,28 @@ def capture_q_and_x(model, sites, monkeypatch, idx):
 def gloo_ranks(worker, world: int, out, timeout_s: float = 900) -> list:
     """Run worker(rank, world, init_file, out_dir) in `world` spawned processes that
     each torch.save their results to out/rank<r>.pt; returns what each rank saved."""
+    import sys
+
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(worker, args=(world, str(out / "init"), str(out)),
-                             nprocs=world, join=False, start_method="spawn")
-    while not ctx.join(timeout=timeout_s):
-        pass
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    for attempt in (1, 2):
+        init = out / ("init" if attempt == 1 else "init_again")  # a file store is used once
+        ctx = mp.start_processes(worker, args=(world, str(init), str(out)),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=timeout_s):
+                pass
+        except mp.ProcessExitedException as e:
+            # A rank killed by a signal, not by a Python error: in the CI's full suite a
+            # rank of test_fused_tensor_parallel died of SIGABRT once (a C++ abort;
+            # never in 22 runs of the test alone, half of them beside a CPU hog). One
+            # more try; an exception raised by the test's code (ProcessRaisedException)
+            # or an exit code fails at once.
+            if attempt == 2 or e.signal_name is None:
+                raise
+            print(f"gloo_ranks: {e}; running the ranks once more", file=sys.stderr)
+            continue
+        return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 def on_mesh(rank: int, world: int, init_file: str, out_dir: str, jobs) -> None:
@@ -539,3 +554,16 @@ def on_mesh(rank: int, world: int, init_file: str, out_dir: str, jobs) -> None:
     # the peer abort ("terminate called without an active exception") once in ~10 runs
     dist.barrier()
     dist.destroy_process_group()
+
+
+class ListSink:
+    """A flashwatch sink that keeps every report; `closed` once closed."""
+
+    def __init__(self):
+        self.reports, self.closed = [], False
+
+    def write(self, report):
+        self.reports.append(report)
+
+    def close(self):
+        self.closed = True

@@ -16,6 +16,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 try:
     import tomllib
 except ImportError:  # Python 3.10: the dev extra installs tomli
@@ -24,7 +26,8 @@ except ImportError:  # Python 3.10: the dev extra installs tomli
 ROOT = Path(__file__).resolve().parent.parent
 CORE = {"torch", "numpy", "prometheus-client"}
 EXTRAS = {"lightning": {"lightning"}, "report": {"matplotlib"},
-          "transformers": {"transformers", "accelerate"}}
+          "transformers": {"transformers", "accelerate"},
+          "torchtitan": {"torchtitan", "triton"}, "olmo-core": {"ai2-olmo-core"}}
 # top-level modules of each extra (and of what the extras pull in)
 NO_LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "torchmetrics")
 NO_PLOTS = ("matplotlib",)
@@ -132,6 +135,14 @@ def test_lightning_callback_without_lightning_names_the_extra(tmp_path: Path):
 def test_trainer_callback_without_transformers_names_the_extra(tmp_path: Path):
     msg = _import_error(NO_TRANSFORMERS, "flashwatch.integrations.transformers", tmp_path)
     assert "pip install 'flashwatch[transformers]'" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("module, extra, blocked", [
+    ("torchtitan", "torchtitan", ("torchtitan", "tyro"))])
+def test_trainer_integrations_without_their_trainer_name_the_extra(tmp_path: Path, module,
+                                                                    extra, blocked):
+    msg = _import_error(blocked, f"flashwatch.integrations.{module}", tmp_path)
+    assert f"pip install 'flashwatch[{extra}]'" in msg and "\n" not in msg, msg
 
 
 def test_diagnose_on_a_hugging_face_folder_without_transformers_names_the_extra(tmp_path):

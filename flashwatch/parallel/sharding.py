@@ -40,9 +40,11 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     rows = w.shape[0] if w is not None and w.dim() == 2 else 0  # FSDP1's flat views: 0
     if rows and not is_dtensor(w) and rows < q.out_features and q.out_features % rows == 0:
         return q.out_features // rows  # a trainer's own split into plain local rows
-    if not is_dtensor(w) or not (tp_hooked(q) or torchtitan.declares_tensor_parallel(q)):
+    if not is_dtensor(w):
         return None
-    return w.device_mesh.size(w.device_mesh.ndim - 1)  # the tp dim: the last
+    if tp_hooked(q):  # torch's parallelize_module: the tp dim is the weight mesh's last
+        return w.device_mesh.size(w.device_mesh.ndim - 1)
+    return torchtitan.declared_tp_size(q)
 
 
 def is_row_sharded(site: AttentionSite) -> bool:

@@ -35,6 +35,19 @@ def declares_tensor_parallel(linear: nn.Module) -> bool:
     return getattr(tp, "dim", None) == 0
 
 
+def declared_tp_size(linear: nn.Module) -> int | None:
+    """The TP size of a Linear whose DTensor weight torchtitan split as it declares: its
+    mesh's "tp" dim; None where it declares no TP, or TP of 1 — torchtitan's trainer
+    declares the split whatever the TP degree, and an FSDP-only weight sits on a
+    ("dp_shard",) mesh: read as TP of that size, every σ and δ share was NaN."""
+    w = getattr(linear, "weight", None)
+    names = getattr(getattr(w, "device_mesh", None), "mesh_dim_names", None) or ()
+    if not declares_tensor_parallel(linear) or "tp" not in names:
+        return None
+    size = w.device_mesh.size(names.index("tp"))
+    return size if size > 1 else None
+
+
 def spmd_tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
     """(TP rank, TP size) of a Linear split on dim 0 by the spmd_types backend, else None."""
     w = getattr(linear, "weight", None)

@@ -14,6 +14,7 @@ import urllib.request
 import lightning.pytorch as pl
 import pytest
 import torch
+from _helpers import ListSink
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -57,17 +58,6 @@ def _trainer(tmp_path, callbacks, **kw):
                       log_every_n_steps=1, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False,
                       callbacks=callbacks, default_root_dir=tmp_path, **kw)
-
-
-class ListSink:
-    def __init__(self):
-        self.reports = []
-
-    def write(self, report):
-        self.reports.append(report)
-
-    def close(self):
-        pass
 
 
 def _comparable(report):

@@ -9,6 +9,7 @@ import urllib.request
 
 import pytest
 import torch
+from _helpers import ListSink
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -42,17 +43,6 @@ def _trainer(tmp_path, *, samples=16, eval_samples=0, **kw):
     args.update(kw)
     return Trainer(model=_llama(), args=TrainingArguments(**args), train_dataset=_data(samples),
                    eval_dataset=_data(eval_samples, seed=1) if eval_samples else None)
-
-
-class ListSink:
-    def __init__(self):
-        self.reports, self.closed = [], False
-
-    def write(self, report):
-        self.reports.append(report)
-
-    def close(self):
-        self.closed = True
 
 
 class RecordLogs(TrainerCallback):

@@ -71,27 +71,87 @@ def titan_sites(n_layers=2):
 # without an accelerator every one says "cuda". ParallelDims' mesh (parallelize_llama,
 # pipeline_llm) then calls torch.cuda.set_device ("torch._C has no attribute
 # _cuda_setDevice" on a CPU torch), and init_distributed picks nccl and synchronizes
-# torch.cuda. activation checkpointing and apply_compile read neither.
+# torch.cuda. activation checkpointing and apply_compile read neither. Its Trainer also
+# asks the device module for a name, properties and memory statistics (metrics.py's
+# DeviceMemoryMonitor), which torch.cpu does not have.
 TITAN_DEVICE_MODULES = ("torchtitan.tools.utils", "torchtitan.distributed.parallel_dims",
-                        "torchtitan.distributed.utils")
+                        "torchtitan.distributed.utils", "torchtitan.components.metrics")
+
+
+class _CpuDevice:
+    """torch.cpu with what torchtitan's Trainer asks of a device module besides: a
+    name, a device's total memory, memory statistics (none), set_device and the index
+    of the one CPU device."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cpu, name)
+
+    @staticmethod
+    def get_device_name(device=None):
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        import types
+
+        return types.SimpleNamespace(total_memory=1 << 34, name="cpu")
+
+    @staticmethod
+    def memory_stats(device=None):
+        return {}
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None):
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+    @staticmethod
+    def set_device(device):
+        pass
+
+    @staticmethod
+    def device_count():
+        return 1
+
+    @staticmethod
+    def current_device():  # torch.cpu's is "cpu"; barrier(device_ids=[...]) wants an int
+        return 0
 
 
 @contextlib.contextmanager
 def torchtitan_on_cpu():
-    """torchtitan's module-level device_type "cpu" and device_module torch.cpu while
+    """torchtitan's module-level device_type "cpu" and device_module a CPU one while
     inside, the values it had after."""
     saved = []
     for name in TITAN_DEVICE_MODULES:
         mod = importlib.import_module(name)
-        for attr, value in (("device_type", "cpu"), ("device_module", torch.cpu)):
+        for attr, value in (("device_type", "cpu"), ("device_module", _CpuDevice())):
             if hasattr(mod, attr):
                 saved.append((mod, attr, getattr(mod, attr)))
                 setattr(mod, attr, value)
+    # torchtitan 0.3.0's Trainer.train calls torch.distributed.set_timeout after its
+    # first step (set_pg_timeouts), which torch 2.13.0 lacks ("module 'torch.distributed'
+    # has no attribute 'set_timeout'", with or without flashwatch); its ProcessGroup has
+    # the method
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        def set_timeout(timeout, group=None):
+            (group or dist.group.WORLD).set_timeout(timeout)
+
+        saved.append((dist, "set_timeout", None))
+        dist.set_timeout = set_timeout
     try:
         yield
     finally:
         for mod, attr, value in reversed(saved):
-            setattr(mod, attr, value)
+            if value is None:
+                delattr(mod, attr)
+            else:
+                setattr(mod, attr, value)
 
 
 # --------------------------------------------------------------------------- OLMo-core
