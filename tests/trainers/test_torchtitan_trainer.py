@@ -290,10 +290,9 @@ def _ddp_worker(rank, world, init_file, out_dir):
                             world_size=world)
     torch.set_num_threads(1)
     with torchtitan_on_cpu():
-        cfg = titan_config(os.path.join(out_dir, "job"), data_parallel_replicate_degree=world,
-                           spmd_backend="partial_dtensor")
-        cfg.checkpoint.enable = False
-        trainer, forwards, reports = run(cfg, every_n_steps=1)
+        cfg = titan_config(os.path.join(out_dir, "job"), steps=2,
+                           data_parallel_replicate_degree=world, spmd_backend="partial_dtensor")
+        trainer, forwards, reports = run(cfg, every_n_steps=1)  # saves step-2
     torch.save(dict(calls=[[head_truth(c) for c in calls] for calls in forwards.training()],
                     heads=[_heads(r) for r in reports], sites=trainer.sites),
                f"{out_dir}/rank{rank}.pt")
@@ -301,8 +300,16 @@ def _ddp_worker(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
-def test_data_parallel_ranks_report_the_heads_of_both_ranks_batches(tmp_path):
-    ranks = gloo_ranks(_ddp_worker, 2, tmp_path)
+@pytest.fixture(scope="module")
+def ddp_job(tmp_path_factory):
+    """2 steps of the job on 2 gloo ranks (data_parallel_replicate 2), its checkpoint
+    folder; what each rank saw."""
+    out = tmp_path_factory.mktemp("titan_ddp")
+    return out, gloo_ranks(_ddp_worker, 2, out)
+
+
+def test_data_parallel_ranks_report_the_heads_of_both_ranks_batches(ddp_job):
+    _, ranks = ddp_job
     for a, b in zip(ranks[0]["heads"], ranks[1]["heads"], strict=True):
         _same_heads(a, b, rel=0)  # one reduced report on every rank
     for step, heads in enumerate(ranks[0]["heads"]):
@@ -319,3 +326,12 @@ def test_data_parallel_ranks_report_the_heads_of_both_ranks_batches(tmp_path):
     record(("torchtitan 0.3.0", MODEL, "its Trainer via watched(): data_parallel_replicate "
             "2 (partial_dtensor), 2 gloo ranks"), ranks[0]["sites"],
            "each step, both ranks' rows: max logit ≤ 1e-4, ties exact vs FP64; 0 errors")
+
+
+def test_a_2_rank_checkpoint_resumes_in_one_process(ddp_job, titan):
+    """torchtitan reshards model and optimizer from its DCP checkpoint; the watcher's
+    entry (a state by global head) comes back with them: the count carries on."""
+    folder, ranks = ddp_job
+    trainer, forwards, reports = run(titan_config(folder / "job", steps=3), every_n_steps=1)
+    assert trainer.step == 3 and [r.step for r in reports] == [2]
+    check_heads(reports[0], forwards.training()[0], titan_sites(), rel=1e-4)
