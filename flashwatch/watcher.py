@@ -133,6 +133,9 @@ class Watcher:
                                       monitor, self._set_modes, self.head_table)
         self._attachment = self._recorder.attachment = Attachment(self._recorder)
         self._recorder.split = self._split
+        # weakly: where FSDP2's gradient divisors are looked up (the model owns the watcher)
+        roots = model.children() if isinstance(model, ModelParts) else [model]
+        self._recorder.roots = tuple(weakref.ref(m) for m in roots)
         for st in self._states:
             st.compiled.key = traced.register(self._recorder, st)
             st.compiled.key_t = torch.tensor(st.compiled.key)

@@ -30,8 +30,10 @@ SUM_FIELDS = ("tied", "rows", "delta_sum", "grad_rows", "delta_sq", "delta_rows"
 # same on every rank that computed it (replicated or sharded-and-reduced weights); the max
 # makes it the same on every rank even where one rank failed to compute it. sampled and
 # averaged are 0/1 flags: "any rank"; so is refused (the layer's W^Q slice failed
-# layouts.QCheck: its norm and share are not the layer's).
-MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "refused")
+# layouts.QCheck: its norm and share are not the layer's). divisor: what FSDP2 divided
+# the reduced W^Q gradient by where the trainer set it (torchtitan: 1, a sum), 0 for its
+# default mean over the ranks; the same on every rank that has it.
+MAX_FIELDS = ("max_logit", "wq_spectral_norm", "sampled", "averaged", "divisor", "refused")
 # Also maxed, for the heads a rank holds (-inf elsewhere): the modes it has set and the
 # modes its kernel ran (so every rank knows the modes of heads held elsewhere, e.g. by
 # another pipeline stage), 1 where the user set a head's mode by hand since the last
@@ -71,6 +73,7 @@ class LayerBuffers:
     share_rows: int
     sampled: bool
     averaged: bool
+    divisor: float = 0.0  # FSDP2's gradient divisor where set (0: the mean over ranks)
     refused: bool = False  # its W^Q slice failed layouts.QCheck
 
 
@@ -98,7 +101,7 @@ def gather(layers: list[LayerBuffers], totals: dict[str, torch.Tensor],
                delta_missed=per_head(lambda b: b.delta_missed),
                share_rows=per_head(lambda b: b.share_rows),
                sampled=per_head(lambda b: b.sampled), averaged=per_head(lambda b: b.averaged),
-               refused=per_head(lambda b: b.refused))
+               divisor=per_head(lambda b: b.divisor), refused=per_head(lambda b: b.refused))
     return raw
 
 
@@ -176,7 +179,8 @@ def contribution(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         share_rows=raw["share_rows"], wq_grad_sq=raw["wq_grad_sq"], guarded=raw["guarded"],
         G=raw["probe_G"], max_logit=torch.maximum(raw["kernel_max"], raw["probe_row_max"]),
         wq_spectral_norm=torch.where(torch.isnan(raw["sigma"]), -math.inf, raw["sigma"]),
-        sampled=raw["sampled"], averaged=raw["averaged"], refused=raw["refused"])
+        sampled=raw["sampled"], averaged=raw["averaged"], divisor=raw["divisor"],
+        refused=raw["refused"])
 
 
 @dataclass
@@ -206,22 +210,27 @@ def finish(sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor],
     layers). Sums over rows keep their size whatever W: each replica's dO is that of its
     own mean loss, W times its rows' share of the averaged gradient DDP and FSDP step on
     (÷W); sampled rows: every replica samples rows_per_head rows, W times one process's
-    count (÷W again: a mean over replicas). The sign statistics get the sums ÷W only
-    (Σc²: ÷W²): scale-free, with every replica's rows."""
+    count (÷W again: a mean over replicas). Where FSDP2 divides the reduced gradient by
+    a divisor D the trainer set instead of averaging (torchtitan: D = 1, its losses
+    already divided by the global token count), the step is the ranks' sum ÷ D, and D
+    takes W's place as the gradient's scale (the replica count stays W). The sign
+    statistics get the sums ÷W only (Σc²: ÷W²): scale-free, with every replica's rows."""
     s = {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in sums.items()}
     m = {k: v if isinstance(v, np.ndarray) else v.numpy() for k, v in maxes.items()}
     W = np.asarray(holders, dtype=np.float64)
+    D = np.where(m["divisor"] > 0, m["divisor"], W)  # the reduced gradient's ÷ (scale)
     with np.errstate(divide="ignore", invalid="ignore"):  # NaN where it is dropped
         sampled, averaged = m["sampled"] > 0, m["averaged"] > 0
         row_sampled = s["delta_missed"] > 0  # Σc from sampled rows (not every row)
-        delta_sum = s["delta_sum"] / np.where(row_sampled, W * W, W)
+        delta_sum = s["delta_sum"] / np.where(row_sampled, W * D, D)
         G = s["G"] / np.where(sampled, W * W, W)[:, None, None]
         no_grad = s["grad_rows"] == 0
         # Across ranks: ratio of the rank sums (‖E_r‖², ‖dW^Q_r‖² of the local
-        # gradients). Under FSDP2 the denominator is the averaged gradient's (each rank
-        # its shard): the numerator then counts every rank's error at the global loss's
-        # scale, its dO being W times that: ÷W².
-        share_num = np.where(averaged, s["share_num"] / (W * W), s["share_num"])
+        # gradients). Under FSDP2 the denominator is the reduced gradient's (each rank
+        # its shard), the ranks' sum ÷ D: the numerator, every rank's error at its own
+        # loss's scale, ÷D² (D = W: the average; torchtitan's sum, D = 1: half the share
+        # on 2 ranks before D was read).
+        share_num = np.where(averaged, s["share_num"] / (D * D), s["share_num"])
         share = np.sqrt(share_num / s["wq_grad_sq"])
         refused = m["refused"] > 0
         share = np.where((s["share_rows"] == 0) | ~(s["wq_grad_sq"] > 0) | refused, np.nan,

@@ -24,6 +24,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from flashwatch.config import WatchConfig
 from flashwatch.kernels import dispatch as _dispatch_mod
@@ -33,7 +34,7 @@ from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recom
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
-from flashwatch.parallel.sharding import unnarrowed_tp, wq_grad_sq
+from flashwatch.parallel.sharding import fsdp_grad_divisor, unnarrowed_tp, wq_grad_sq
 
 log = logging.getLogger("flashwatch")
 
@@ -64,6 +65,18 @@ class Recorder(ProbeRecorder):
         # set by the Watcher: (layer) -> None once it watches this rank's part of a layer
         # that tensor parallelism split after attach, or why it cannot (a str)
         self.split = None
+        self.roots = ()  # set by the Watcher: weak references to the watched model(s)
+        self._divisors = WeakIdKeyDictionary()  # FSDP2 parameter -> its gradient divisor
+
+    def grad_divisor(self, param) -> float:
+        """What FSDP2 divides `param`'s reduced gradient by, 0 for its default (the mean
+        over the data-parallel ranks: the holders `aggregate.finish` divides by), looked
+        up once per parameter (sharding.fsdp_grad_divisor)."""
+        if param not in self._divisors:
+            roots = [r() for r in self.roots]
+            self._divisors[param] = float(fsdp_grad_divisor([r for r in roots if r is not None],
+                                                            param) or 0.0)
+        return self._divisors[param]
 
     def wq_grad_hook(self, st: LayerState):
         """‖dW^Q_h‖²_F per head after each accumulation into the Q weight's .grad: the
@@ -82,6 +95,8 @@ class Recorder(ProbeRecorder):
                 return
             try:
                 st.buf.wq_grad_sq, st.buf.wq_grad_averaged = wq_grad_sq(st.site, param.grad)
+                if st.buf.wq_grad_averaged:
+                    st.buf.wq_grad_divisor = w.grad_divisor(param)
             except Exception as e:
                 w.ledger.error(f"W^Q gradient {st.site.name}", e)
         return hook

@@ -47,6 +47,7 @@ class StepBuffers:
     delta_missed: int = 0
     share_rows: int = 0
     wq_grad_averaged: bool = False  # wq_grad_sq from FSDP2's shard of the averaged gradient
+    wq_grad_divisor: float = 0.0  # ... which FSDP2 divided by that (0: the mean over ranks)
     sampled: bool = False  # a probed call of this step measured only some of its rows
     o32: torch.Tensor | None = None  # the current routed call's FP32 O, every head
     o32_paper: bool = False  # ... made by backend="paper", whose δ is a BF16 rowsum

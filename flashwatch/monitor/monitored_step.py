@@ -218,7 +218,8 @@ class StepPipeline:
             wq_grad_sq=st.buf.wq_grad_sq, grad_rows=st.buf.grad_rows,
             delta_rows=st.buf.delta_rows, delta_missed=st.buf.delta_missed,
             share_rows=st.buf.share_rows, sampled=st.buf.sampled,
-            averaged=st.buf.wq_grad_averaged, refused=st.wq_refused is not None)
+            averaged=st.buf.wq_grad_averaged, divisor=st.buf.wq_grad_divisor,
+            refused=st.wq_refused is not None)
             for st in self.states]
         return layers, tot
 

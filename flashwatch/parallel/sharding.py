@@ -24,6 +24,25 @@ def is_dtensor(t) -> bool:
     return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements")
 
 
+def fsdp_grad_divisor(roots, param) -> float | None:
+    """What FSDP2 divides `param`'s reduced gradient by when its module set one
+    (`set_gradient_divide_factor`; torchtitan sets 1.0: its losses are already divided by
+    the global token count, so the gradient is the ranks' sum), else None: FSDP2's
+    default, the mean over its data-parallel ranks. Looked up in the fully_shard modules
+    under `roots` (torch 2.13's FSDPParamGroup: fsdp_params, gradient_divide_factor)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for root in roots:
+        for m in root.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            group = m._get_fsdp_state()._fsdp_param_group
+            if group is not None and any(fp.sharded_param is param
+                                         for fp in group.fsdp_params):
+                return group.gradient_divide_factor
+    return None
+
+
 def unnarrowed_tp(site: AttentionSite) -> int | None:
     """The tensor-parallel size of a layer watched whole whose Q Linear parallelize_module
     split after attach, where this rank has not narrowed it to its own heads yet (the

@@ -268,6 +268,70 @@ def test_sampled_sums_do_not_change_with_the_world_size(tmp_path):
         assert got[key].delta_error_sum == pytest.approx(h.delta_error_sum / 2, rel=1e-6), key
 
 
+def _fsdp_norm_worker(rank, world, init_file, out_dir):
+    """One FSDP2 step on the global batch's halves, the loss and gradient reduction as
+    each trainer writes them: "mean" (each rank its own mean loss, FSDP2 averages:
+    torch's default) and "sum" (torchtitan's: each rank's token sum ÷ the global token
+    count, set_gradient_divide_factor(1.0): the reduced gradient is the ranks' sum). The
+    same optimizer step either way."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = _global_batch()
+    mine = slice(4 * rank, 4 * rank + 4)
+    out = {}
+    for convention in ("mean", "sum"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**SMALL))
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if convention == "sum":
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        w = fw.watch(model, every_n_steps=1, rows_per_head=8 * 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, loss = model(x[mine], y[mine])
+        if convention == "sum":
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y[mine].flatten(),
+                                   reduction="sum") / y.numel()
+        loss.backward()
+        grad = model.transformer.h[0].attn.c_attn.weight.grad.full_tensor()
+        out[convention] = ({(h.layer, h.head): h for h in w.step().heads}, grad,
+                           w.monitor_errors_total)
+        w.remove()
+    torch.save(out, os.path.join(out_dir, f"fsdp_norm{rank}.pt"))
+    _close(dist)
+
+
+def test_fsdp2_numbers_do_not_depend_on_how_the_trainer_scales_its_loss(tmp_path):
+    """torchtitan's FSDP2 sums gradients (divide factor 1) of losses already divided by
+    the global token count; torch's default averages per-rank mean losses. Same step,
+    same numbers: Σc and the δ share were W times smaller under the sum (the share's
+    numerator was divided by W², the averaged gradient's scale)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_norm_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+             join=True)
+    got = torch.load(tmp_path / "fsdp_norm0.pt", weights_only=False)
+    (mean, g_mean, e_mean), (summed, g_sum, e_sum) = got["mean"], got["sum"]
+    assert e_mean == e_sum == 0
+    torch.testing.assert_close(g_sum, g_mean, rtol=1e-5, atol=1e-8)  # the same gradient
+    for key, h in mean.items():
+        assert h.delta_error_share > 0 and abs(h.delta_error_sum) > 0, key
+        assert summed[key].delta_error_share == pytest.approx(h.delta_error_share,
+                                                              rel=1e-4), key
+        assert summed[key].delta_error_sum == pytest.approx(h.delta_error_sum, rel=1e-4), key
+
+
 # ------------------------------------------------------- DDP and torch.compile
 
 
