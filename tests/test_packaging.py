@@ -138,7 +138,8 @@ def test_trainer_callback_without_transformers_names_the_extra(tmp_path: Path):
 
 
 @pytest.mark.parametrize("module, extra, blocked", [
-    ("torchtitan", "torchtitan", ("torchtitan", "tyro"))])
+    ("torchtitan", "torchtitan", ("torchtitan", "tyro")),
+    ("olmo_core", "olmo-core", ("olmo_core",))])
 def test_trainer_integrations_without_their_trainer_name_the_extra(tmp_path: Path, module,
                                                                     extra, blocked):
     msg = _import_error(blocked, f"flashwatch.integrations.{module}", tmp_path)
