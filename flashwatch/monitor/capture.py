@@ -34,7 +34,12 @@ from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recom
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
-from flashwatch.parallel.sharding import fsdp_grad_divisor, unnarrowed_tp, wq_grad_sq
+from flashwatch.parallel.sharding import (
+    fsdp_grad_divisor,
+    sequence_sharded,
+    unnarrowed_tp,
+    wq_grad_sq,
+)
 
 log = logging.getLogger("flashwatch")
 
@@ -131,6 +136,16 @@ class Recorder(ProbeRecorder):
         """(SDPA's arguments by name, q, k, v as SDPA computes with them, route?), or
         a None first item for a call that is not the layer's heads."""
         a = traced.sdpa_args(args, kwargs)
+        if sequence_sharded(a["key"]):
+            # ring context parallelism: each rank's keys are its shard; the scores of a
+            # row against the others' keys are made inside the op, never in one call
+            st.buf.unmeasured = ("its attention inputs are split over the sequence (ring "
+                                 "context parallelism: each call holds this rank's keys "
+                                 "only); gather K and V over the context-parallel group "
+                                 "before the call (all-gather context parallelism) to "
+                                 "measure it")
+            self.warn_once(st, "ring", f"flashwatch: {st.site.name}: {st.buf.unmeasured}")
+            return None, None, None, None, False
         # route and probe what SDPA computes with (autocast: rotary models hand it FP32
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])

@@ -24,6 +24,15 @@ def is_dtensor(t) -> bool:
     return callable(getattr(t, "full_tensor", None)) and hasattr(t, "placements")
 
 
+def sequence_sharded(t) -> bool:
+    """`t` ([B, H, N, D]) is a DTensor split over its sequence dim: torch's ring context
+    parallelism (context_parallel, or the _ContextParallel style torchtitan applies to
+    its inner attention) hands SDPA such q, k and v, each rank its shard of the rows
+    and of the keys, the other ranks' keys brought in blocks inside the op."""
+    return is_dtensor(t) and any(p.is_shard() and p.dim == t.dim() - 2
+                                 for p in t.placements)
+
+
 def fsdp_grad_divisor(roots, param) -> float | None:
     """What FSDP2 divides `param`'s reduced gradient by when its module set one
     (`set_gradient_divide_factor`; torchtitan sets 1.0: its losses are already divided by
