@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashwatch.sites import olmo_core, torchtitan
+from flashwatch.sites.discovery import TRAINER_LAYOUTS
 from flashwatch.sites.site import AttentionSite
 from flashwatch.sites.weights import dp_shard_dim, fsdp_x_tp, tp_hooked
 
@@ -61,9 +61,10 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
     q = site.q_module
     if site.global_heads is not None or site.output_gathered or not isinstance(q, nn.Linear):
         return None
-    cp = olmo_core.ulysses(site.module)  # heads split by context parallelism after attach
-    if cp is not None:
-        return cp[1]
+    for layout in TRAINER_LAYOUTS:  # heads split by a trainer's CP after attach (Ulysses)
+        cp = layout.context_parallel(site.module) if layout.context_parallel else None
+        if cp is not None:
+            return cp[1]
     w = getattr(q, "weight", None)
     rows = w.shape[0] if w is not None and w.dim() == 2 else 0  # FSDP1's flat views: 0
     if rows and not is_dtensor(w) and rows < q.out_features and q.out_features % rows == 0:
@@ -72,7 +73,11 @@ def unnarrowed_tp(site: AttentionSite) -> int | None:
         return None
     if tp_hooked(q):  # torch's parallelize_module: the tp dim is the weight mesh's last
         return w.device_mesh.size(w.device_mesh.ndim - 1)
-    return torchtitan.declared_tp_size(q)
+    for layout in TRAINER_LAYOUTS:  # a split the trainer declares (torchtitan)
+        size = layout.dtensor_tensor_parallel(q) if layout.dtensor_tensor_parallel else None
+        if size is not None:
+            return size
+    return None
 
 
 def is_row_sharded(site: AttentionSite) -> bool:

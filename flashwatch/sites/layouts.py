@@ -237,6 +237,9 @@ class TrainerLayout:
       context_parallel: (rank, size) of an attention module whose heads the trainer's
       context parallelism hands out over ranks (Ulysses: an all-to-all gives rank r
       head chunk r over the whole sequence; the weights stay whole), else None.
+      dtensor_tensor_parallel: the TP size (> 1) of a projection whose DTensor weight
+      the trainer split as it declares in its own terms (torchtitan: a ShardingConfig
+      and a mesh dim named "tp"), else None.
     """
 
     trainer: str
@@ -248,6 +251,7 @@ class TrainerLayout:
     heads: Callable[[nn.Module], tuple[int | None, int | None, int | None]] | None = None
     tensor_parallel: Callable[[nn.Module], tuple[int, int] | None] | None = None
     context_parallel: Callable[[nn.Module], tuple[int, int] | None] | None = None
+    dtensor_tensor_parallel: Callable[[nn.Module], int | None] | None = None
 
     def projections(self, module: nn.Module) -> nn.Module | None:
         """The module holding this layout's projections when `module` is one of this

@@ -66,8 +66,10 @@ def spmd_tensor_parallel(linear: nn.Module) -> tuple[int, int] | None:
 
 FUSED = TrainerLayout(trainer="torchtitan", holder="qkv_linear", requires=("inner_attention",),
                       fused="wqkv", fused_layout="per_group_qkv",
-                      tensor_parallel=spmd_tensor_parallel)
+                      tensor_parallel=spmd_tensor_parallel,
+                      dtensor_tensor_parallel=declared_tp_size)
 SEPARATE = TrainerLayout(trainer="torchtitan", holder="qkv_linear",
                          requires=("inner_attention",), separate=("wq", "wk", "wv"),
-                         tensor_parallel=spmd_tensor_parallel)
+                         tensor_parallel=spmd_tensor_parallel,
+                         dtensor_tensor_parallel=declared_tp_size)
 LAYOUTS = (FUSED, SEPARATE)
