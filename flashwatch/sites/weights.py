@@ -114,23 +114,24 @@ def tensor_parallel(linear: nn.Module, under_fsdp: bool = False) -> tuple[int, i
     """(this rank's index, TP size) when `linear`'s weight is a DTensor sharded on dim 0
     by tensor parallelism (torch's ColwiseParallel, Hugging Face's tp_plan "colwise"):
     over a 1-D mesh, or on the tp dimension of FSDP2 × TP's 2-D mesh, whose placements
-    are (_StridedShard(0), Shard(0)) on (dp, tp); else None. Under FSDP2 (`under_fsdp`:
-    the Linear sits inside a fully_shard module) a 1-D weight is FSDP2's own shard, not
-    TP; a 2-D one is TP when its forward is hooked by torch's distribute_module. Other
-    2-D and 3-D layouts (HSDP × TP) are refused."""
+    are (_StridedShard(0), Shard(0)) on (dp, tp), or replicated over the dims before tp
+    (`replicated_tp`); else None. Under FSDP2 (`under_fsdp`: the Linear sits inside a
+    fully_shard module) a 1-D weight is FSDP2's own shard, not TP; a 2-D one is TP when
+    its forward is hooked by torch's distribute_module. Other layouts are refused."""
     w = getattr(linear, "weight", None)
     if not (callable(getattr(w, "to_local", None)) and hasattr(w, "placements")):
         return None
     placements = tuple(w.placements)
     hooked = tp_hooked(linear)
     if len(placements) > 1 and (hooked or not under_fsdp):
-        if not fsdp_x_tp(w):
+        if not (fsdp_x_tp(w) or replicated_tp(w)):
             raise ValueError(
                 f"flashwatch.watch: a tensor-parallel {type(linear).__name__} whose weight "
                 f"is sharded on a {len(placements)}-D mesh as {placements} is not "
                 f"supported; FSDP2 × TP on a (dp, tp) mesh is (placements "
                 f"(_StridedShard(0), Shard(0))), HSDP × TP on (replicate, shard, tp) "
-                f"(Replicate(), _StridedShard(0), Shard(0)), and TP on a 1-D mesh; or "
+                f"(Replicate(), _StridedShard(0), Shard(0)), TP replicated over the other "
+                f"dims (Replicate(), ..., Shard(0)), and TP on a 1-D mesh; or "
                 f"leave these layers out with sites=... (docs/limits.md)")
         _TP_LINEARS.add(linear)
         tp = w.device_mesh.ndim - 1  # the tp dim: the last
@@ -157,6 +158,16 @@ def fsdp_x_tp(w) -> bool:
     p = tuple(getattr(w, "placements", ()))
     return (len(p) >= 2 and all(x.is_replicate() for x in p[:-2])
             and type(p[-2]).__name__ == "_StridedShard" and p[-2].dim == 0
+            and type(p[-1]).__name__ == "Shard" and p[-1].dim == 0)
+
+
+def replicated_tp(w) -> bool:
+    """`w` is split on dim 0 over the last mesh dim (tp) and the same on every rank of
+    the others: placements (Replicate(), ..., Shard(0)). torchtitan's "full_dtensor"
+    backend puts every weight on its whole SPMD mesh so; its local tensor is the TP
+    shard itself, as on a 1-D mesh."""
+    p = tuple(getattr(w, "placements", ()))
+    return (len(p) >= 2 and all(x.is_replicate() for x in p[:-1])
             and type(p[-1]).__name__ == "Shard" and p[-1].dim == 0)
 
 
