@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -567,3 +568,14 @@ class ListSink:
 
     def close(self):
         self.closed = True
+
+
+def finish_rank(out, out_dir: str, rank: int) -> None:
+    """The end of a `gloo_ranks` worker: save `out` to out_dir/rank<r>.pt, then leave the
+    group once every rank is done with its collectives (a rank that tore its connections
+    down while its peer was still in the last collective made the peer abort)."""
+    import torch.distributed as dist
+
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import batch, gloo_ranks
+from _helpers import batch, finish_rank, gloo_ranks
 from sdpa_calls import SdpaCalls, check_heads
 
 import flashwatch as fw
@@ -61,9 +61,7 @@ def _worker(rank, world, init_file, out_dir):
         qkclip.scale_site(site, own, alpha=0.5)
     out["clipped"] = {n: p.full_tensor() for n, p in model.named_parameters()
                       if "linear_qkv" in n}
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +124,7 @@ def _packed_worker(rank, world, init_file, out_dir):
         report = w.step()
         out[when] = dict(errors=w.monitor_errors_total, heads=report.heads)
         w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")

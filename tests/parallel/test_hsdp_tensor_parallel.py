@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _helpers import gloo_ranks
+from _helpers import finish_rank, gloo_ranks
 from scaled_heads import EPS, N_LAYERS, VOCAB, H, Stage, batch, full_model, truth
 
 import flashwatch as fw
@@ -50,9 +50,7 @@ def _worker(rank, world, init_file, out_dir):
                heads=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio,
                        h.wq_spectral_norm, h.wq_grad_norm) for h in report.heads])
     w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 def test_hsdp_x_tp_reports_every_head_against_fp64(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import finish_rank
 from _trainers import (
     OLMO_HEADS,
     OLMO_VOCAB,
@@ -63,9 +64,7 @@ def _worker(rank, world, init_file, out_dir):
         w = w or fw.watch(model, every_n_steps=1)
         out[(variant, when, how)] = step_record(w, forward_backward(model, tokens))
         w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +134,7 @@ def _dp_worker(rank, world, init_file, out_dir):
         w = fw.watch(model, every_n_steps=1)
         out[how] = step_record(w, forward_backward(model, tokens))
         w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 DP = ("fsdp", "hsdp", "ddp")

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _helpers import finish_rank
 from _trainers import ROWS, TITAN_HEADS, TITAN_VOCAB, titan_llama, torchtitan_on_cpu
 from sdpa_calls import SdpaCalls, head_truth
 
@@ -61,9 +62,7 @@ def _worker(rank, world, init_file, out_dir):
                 heads=[(h.layer, h.head, h.attention_max_logit, h.tied_rowmax_ratio)
                        for h in report.heads])
             w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")

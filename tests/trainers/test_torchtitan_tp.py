@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import finish_rank
 from _trainers import (
     ROWS,
     TITAN_HEADS,
@@ -68,9 +69,7 @@ def _worker(rank, world, init_file, out_dir):
             w = w or fw.watch(model, every_n_steps=1)
             out[(backend, when)] = step_record(w, forward_backward(model, tokens))
             w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +149,7 @@ def _fsdp_tp_worker(rank, world, init_file, out_dir):
             w = w or fw.watch(model, every_n_steps=1)
             out[when] = step_record(w, forward_backward(model, tokens))
             w.remove()
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")

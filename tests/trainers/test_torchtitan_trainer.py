@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import ListSink, gloo_ranks
+from _helpers import ListSink, finish_rank, gloo_ranks
 from _trainers import TITAN_VOCAB, record, titan_sites, torchtitan_on_cpu
 from sdpa_calls import SdpaCalls, check_heads, head_truth
 from torchtitan.components.dataloader import BaseDataLoader
@@ -359,9 +359,7 @@ def _tp_worker(rank, world, init_file, out_dir):
                 calls=[[head_truth(c) for c in calls] for calls in forwards.training()],
                 heads=[_heads(r) for r in reports], sites=trainer.sites,
                 sigma=_wq_sigma(trainer.model_parts[0]))  # full_tensor: every rank
-    torch.save(out, f"{out_dir}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_rank(out, out_dir, rank)
 
 
 @pytest.fixture(scope="module")
