@@ -37,6 +37,7 @@ except ImportError as e:
 
 import flashwatch
 from flashwatch.integrations import shared
+from flashwatch.sites.discovery import NoAttentionLayers
 
 log = logging.getLogger("flashwatch")
 
@@ -127,20 +128,20 @@ class TitanWatch:
 
     def _attach(self, trainer) -> flashwatch.Watcher | None:
         parts = trainer.model_parts
-        # a pipeline rank's parts are watched as one, each layer under its whole-model name
+        # a pipeline rank's parts are watched as one, each layer under its whole-model
+        # name; a stage without attention joins the others' watcher (a collective)
         model = parts if trainer.parallel_dims.pp_enabled or len(parts) > 1 else parts[0]
         try:
-            sites = flashwatch.find_sites(model, self.options.sites)
-        except ValueError as e:
+            return shared.open_watcher(model, self.config, self.options, self.options.sites,
+                                       local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+                                       rank=dist.get_rank() if dist.is_initialized() else 0)
+        except NoAttentionLayers as e:  # no rank of the job holds one: the same everywhere
             if self.options.sites is not None:  # the user named sites and they are wrong
                 raise
             titan_logger.warning(
                 f"flashwatch: not watching {type(parts[0]).__name__}: no attention layer "
                 f"found ({e}). Pass sites=[...] to watched() to name its attention modules.")
             return None
-        return shared.open_watcher(model, self.config, self.options, sites,
-                                   local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-                                   rank=dist.get_rank() if dist.is_initialized() else 0)
 
     # ------------------------------------------------------------ the trainer's moments
 
