@@ -417,3 +417,20 @@ def test_a_pipeline_ranks_model_parts_are_watched_as_one(torchtitan_on_cpu, gloo
         assert [s.name for s in watch.watcher.sites] == titan_sites()
     finally:
         watch.close()
+
+
+def test_the_documented_line_through_torchtitans_command_line(monkeypatch):
+    """`-m torchtitan.train --module <pkg> --config <fn>` with CLI overrides: torchtitan's
+    ConfigManager (tyro) parses a FlashWatchTrainer.Config, its flashwatch arguments kept
+    (a Python-only field, left out of the command line)."""
+    from torchtitan.config import ConfigManager
+
+    monkeypatch.syspath_prepend(os.path.dirname(__file__))
+    cfg = ConfigManager().parse_args(["--module", "titan_jobs", "--config",
+                                      "llama3_debugmodel_watched", "--training.steps", "7"])
+    assert isinstance(cfg, FlashWatchTrainer.Config)
+    assert cfg.training.steps == 7
+    assert cfg.flashwatch == {"mitigation": "auto", "every_n_steps": 10}
+    with pytest.raises(SystemExit):  # not a command-line option
+        ConfigManager().parse_args(["--module", "titan_jobs", "--config",
+                                    "llama3_debugmodel_watched", "--flashwatch", "{}"])
