@@ -144,6 +144,26 @@ def torchtitan_on_cpu():
 
         saved.append((dist, "set_timeout", None))
         dist.set_timeout = set_timeout
+    # Its PP loop calls schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=): microbatch lists,
+    # which torch 2.13.0's step() lacks (they land in **kwargs and are split as one batch:
+    # "Expecting 2 arg_mbs but got 1"); single-stage schedules (1F1B, GPipe) get them
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    plain_step = PipelineScheduleSingle.step
+
+    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+             return_outputs=True, loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return plain_step(self, *args, losses=losses, return_outputs=return_outputs,
+                              loss_kwargs=loss_kwargs, **kwargs)
+        self._stage.has_backward = self._has_backward  # what step() does before its split
+        self._stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+                                loss_kwargs=loss_kwargs)
+        return None
+
+    saved.append((PipelineScheduleSingle, "step", plain_step))
+    PipelineScheduleSingle.step = step
     try:
         yield
     finally:

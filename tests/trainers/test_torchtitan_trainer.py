@@ -403,10 +403,8 @@ def test_tensor_parallel_ranks_report_every_global_head(tp_job, backend):
 def test_a_pipeline_ranks_model_parts_are_watched_as_one(torchtitan_on_cpu, gloo_world):
     """Under PP the Trainer holds a list of model parts (pipeline_llm's): watched as one,
     each layer under its whole-model name (find_sites refused the list: "model must be a
-    torch.nn.Module, got list", raised from the Trainer's __init__). torchtitan's own PP
-    loop is not run here: on this CPU setup it stops in its schedule without flashwatch
-    too ("Expecting 2 arg_mbs but got 1"); its pipeline_llm is run in
-    test_torchtitan_pp.py."""
+    torch.nn.Module, got list", raised from the Trainer's __init__), also for a part
+    list of one. The PP loop itself: test_pipeline_stages_report_every_layer_of_the_job."""
     from flashwatch.integrations.torchtitan import TitanWatch
 
     parts = [titan_llama(n_layers=2)]
@@ -434,3 +432,52 @@ def test_the_documented_line_through_torchtitans_command_line(monkeypatch):
     with pytest.raises(SystemExit):  # not a command-line option
         ConfigManager().parse_args(["--module", "titan_jobs", "--config",
                                     "llama3_debugmodel_watched", "--flashwatch", "{}"])
+
+
+# ------------------------------------------------------------- 2 gloo ranks, PP
+
+
+def _pp_worker(rank, world, init_file, out_dir):
+    """torchtitan's PP through its Trainer: 2 stages of one layer, 1F1B, 2 microbatches
+    of 1 sequence a step (torch 2.13's step() gets the microbatch lists torchtitan 0.3
+    passes from torchtitan_on_cpu)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    torch.set_num_threads(1)
+    with torchtitan_on_cpu():
+        cfg = titan_config(os.path.join(out_dir, "pp"), steps=2, pipeline_parallel_degree=world,
+                           pipeline_parallel_schedule="1F1B",
+                           pipeline_parallel_microbatch_size=1)
+        cfg.checkpoint.enable = False
+        cfg.training.disable_cuda_graphs = True  # torchtitan: CUDA graphs refuse PP
+        trainer, forwards, reports = run(cfg, every_n_steps=1)
+    finish_rank(dict(calls=[[head_truth(c) for c in calls] for calls in forwards.training()],
+                     heads=[_heads(r) for r in reports], sites=trainer.sites),
+                out_dir, rank)
+
+
+def test_pipeline_stages_report_every_layer_of_the_job(tmp_path):
+    """Each stage measures its layer over the step's 2 microbatches; every rank reports
+    both layers, each against the FP64 truth of the stage that holds it."""
+    ranks = gloo_ranks(_pp_worker, 2, tmp_path)
+    for a, b in zip(ranks[0]["heads"], ranks[1]["heads"], strict=True):
+        _same_heads(a, b, rel=0)
+    for rank, r in enumerate(ranks):
+        # the stage's forwards: its first-step metadata inference (left unmeasured),
+        # then 2 microbatches a step
+        assert len(r["calls"]) == 1 + 2 * 2
+        layer = titan_sites()[rank]  # stage r holds layers.r
+        for step, heads in enumerate(ranks[0]["heads"]):
+            (t0,), (t1,) = r["calls"][1 + 2 * step: 3 + 2 * step]  # one layer per stage
+            tied, rows = t0[0] + t1[0], t0[2] + t1[2]
+            mx = torch.maximum(t0[1], t1[1])
+            got = [h for h in heads if h[0] == layer]
+            assert [h[1] for h in got] == list(range(16))
+            for h, (_, _, m, ratio, _) in enumerate(got):
+                assert m == pytest.approx(float(mx[h]), rel=1e-4)
+                assert round(ratio * rows) == int(tied[h])
+    record(("torchtitan 0.3.0", MODEL, "its Trainer via watched(): PP 2 (1F1B, 2 "
+            "microbatches), 2 gloo ranks"), ranks[1]["sites"],
+           "each step, each layer on its stage: max logit ≤ 1e-4, ties exact vs FP64; "
+           "0 errors")
