@@ -163,14 +163,9 @@ class FlashWatchCallback(pl.Callback):
         self._apply_pending()
 
     def _apply_pending(self) -> None:
-        if self._pending_state is None:
-            return
-        try:
-            self.watcher.load_state_dict(self._pending_state)
-        except (ValueError, KeyError, TypeError) as e:
-            log.error("flashwatch: could not restore the watcher from the checkpoint (%s); "
-                      "monitoring starts fresh (modes STANDARD)", e)
-        self._pending_state = None
+        if self._pending_state is not None:
+            shared.restore(self.watcher, self._pending_state, "the checkpoint")
+            self._pending_state = None
 
     def _after_batch(self, trainer, pl_module) -> None:
         w = self.watcher

@@ -11,7 +11,7 @@ import dataclasses
 import logging
 from typing import ClassVar
 
-from flashwatch._checks import log_once, missing_extra
+from flashwatch._checks import missing_extra
 
 try:
     from olmo_core.distributed.utils import get_local_rank, get_rank
@@ -166,15 +166,9 @@ class FlashWatchCallback(Callback):
         self._apply_pending()
 
     def _apply_pending(self) -> None:
-        if self._pending is None:
-            return
-        try:
-            self.watcher.load_state_dict(self._pending)
-        except Exception as e:
-            log.error("flashwatch: could not restore the watcher from the checkpoint "
-                      "(%s: %s); monitoring starts fresh (modes STANDARD)",
-                      type(e).__name__, e)
-        self._pending = None
+        if self._pending is not None:
+            shared.restore(self.watcher, self._pending, "the checkpoint")
+            self._pending = None
 
     def _record(self, report: StepReport) -> None:
         metrics = shared.logged_metrics(report, self.watcher, self._reports,
@@ -197,13 +191,7 @@ class FlashWatchCallback(Callback):
                  self.config.every_n_steps, self.step, moved)
 
     def _guard(self, what: str, fn, *args):
-        """fn(*args), or None after logging a failure once; training goes on."""
-        try:
-            return fn(*args)
-        except Exception as e:
-            log_once(log, self._failed, what, "flashwatch: %s failed (%s: %s); training "
-                     "continues", what, type(e).__name__, e, level=logging.ERROR, exc_info=e)
-            return None
+        return shared.guard(self._failed, what, fn, *args)
 
     def _detach(self) -> None:
         if self.watcher is None:

@@ -5,14 +5,17 @@ the watcher they open and close, and the bounded key set they log
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import flashwatch
-from flashwatch._checks import check_bool, check_int
+from flashwatch._checks import check_bool, check_int, log_once
 from flashwatch.config import WatchConfig, unknown_fields
 from flashwatch.kernels.common import Mode
 from flashwatch.report import metrics
 from flashwatch.report.records import StepReport
+
+log = logging.getLogger("flashwatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +119,27 @@ def open_watcher(model, config, options: Options, sites, *, local_rank: int,
         for s in own:  # free the Prometheus port
             s.close()
         raise
+
+
+def guard(failed: set, what: str, fn, *args):
+    """fn(*args), or None after logging its failure once per `what` (in the caller's
+    `failed`): an integration's step, logging or saving never stops training."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        log_once(log, failed, what, "flashwatch: %s failed (%s: %s); training continues",
+                 what, type(e).__name__, e, level=logging.ERROR, exc_info=e)
+        return None
+
+
+def restore(watcher: flashwatch.Watcher, state: dict, where: str) -> None:
+    """watcher.load_state_dict(state) from the trainer's checkpoint (`where`, for the
+    message); a state it cannot take is logged and the watcher starts fresh."""
+    try:
+        watcher.load_state_dict(state)
+    except Exception as e:
+        log.error("flashwatch: could not restore the watcher from %s (%s: %s); monitoring "
+                  "starts fresh (modes STANDARD)", where, type(e).__name__, e)
 
 
 def close_watcher(watcher: flashwatch.Watcher, user_sinks) -> dict:

@@ -25,7 +25,7 @@ from typing import Annotated, Any
 
 import torch.distributed as dist
 
-from flashwatch._checks import log_once, missing_extra
+from flashwatch._checks import missing_extra
 
 try:
     import tyro  # torchtitan's CLI parser, a dependency of it
@@ -53,9 +53,14 @@ def watched(config: Trainer.Config, **kwargs) -> FlashWatchTrainer.Config:
     if not isinstance(config, Trainer.Config):
         raise TypeError(f"watched(config): config must be a torchtitan Trainer.Config (what "
                         f"a config_registry function returns), got {type(config).__name__}")
-    shared.configure("watched", kwargs.get("config"), {k: v for k, v in kwargs.items()
-                                                        if k != "config"})
+    _configure("watched", kwargs)
     return derive(config, FlashWatchTrainer.Config, flashwatch=dict(kwargs))
+
+
+def _configure(owner: str, kwargs: dict):
+    """shared.configure of `watched`'s keyword arguments, `config=` among them."""
+    return shared.configure(owner, kwargs.get("config"),
+                            {k: v for k, v in kwargs.items() if k != "config"})
 
 
 class FlashWatchTrainer(Trainer):
@@ -114,9 +119,7 @@ class TitanWatch:
 
     def __init__(self, trainer: Trainer, kwargs: dict):
         self.trainer = trainer
-        self.config, self.options = shared.configure(
-            "FlashWatchTrainer", kwargs.get("config"),
-            {k: v for k, v in kwargs.items() if k != "config"})
+        self.config, self.options = _configure("FlashWatchTrainer", kwargs)
         self.reports = shared.Reports()
         self.watcher = self._attach(trainer)
         self._paused = False
@@ -182,16 +185,15 @@ class TitanWatch:
             self._paused = True
         if self.reports.latest is None or not trainer.metrics_processor.should_log(trainer.step):
             return
-        report = self.reports.take()
-        try:
-            metrics = shared.logged_metrics(report, w, self.reports, top_k=self.options.top_k,
-                                            log_per_head=self.options.log_per_head)
-            # a BaseLogger that drops everything on the ranks torchtitan does not log from
-            trainer.metrics_processor.logger.log(metrics, trainer.step)
-        except Exception as e:  # logging must never stop training
-            log_once(log, self._failed, "log", "flashwatch: logging through torchtitan's "
-                     "MetricsProcessor failed (%s: %s); training continues, sinks still "
-                     "receive reports", type(e).__name__, e, level=logging.ERROR, exc_info=e)
+        shared.guard(self._failed, "logging through torchtitan's MetricsProcessor",
+                     self._log, self.reports.take())
+
+    def _log(self, report) -> None:
+        metrics = shared.logged_metrics(report, self.watcher, self.reports,
+                                        top_k=self.options.top_k,
+                                        log_per_head=self.options.log_per_head)
+        # a BaseLogger that drops everything on the ranks torchtitan does not log from
+        self.trainer.metrics_processor.logger.log(metrics, self.trainer.step)
 
     def _announce(self, report) -> None:
         self._announced = True
@@ -215,13 +217,8 @@ class TitanWatch:
         return self.watcher.state_dict() if self.watcher is not None else {}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.watcher is None:
-            return
-        try:
-            self.watcher.load_state_dict(state_dict)
-        except (ValueError, KeyError, TypeError) as e:
-            log.error("flashwatch: could not restore the watcher from torchtitan's checkpoint "
-                      "(%s); monitoring starts fresh (modes STANDARD)", e)
+        if self.watcher is not None:
+            shared.restore(self.watcher, state_dict, "torchtitan's checkpoint")
 
 
 def _checkpoint_to_load(checkpointer, cfg) -> str | None:

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from flashwatch._checks import log_once, missing_extra
+from flashwatch._checks import missing_extra
 
 try:
     import transformers
@@ -152,18 +152,15 @@ class FlashWatchTrainerCallback(transformers.TrainerCallback):
                         "fresh (modes STANDARD)", state.global_step, path)
             return
         try:
-            self.watcher.load_state_dict(torch.load(path, weights_only=True))
+            state = torch.load(path, weights_only=True)
         except Exception as e:
-            log.error("flashwatch: could not restore the watcher from %s (%s); monitoring "
-                      "starts fresh (modes STANDARD)", path, e)
+            log.error("flashwatch: could not read %s (%s: %s); monitoring starts fresh "
+                      "(modes STANDARD)", path, type(e).__name__, e)
+            return
+        shared.restore(self.watcher, state, path)
 
     def _guard(self, what: str, fn, *args) -> None:
-        """fn(*args); a failure is logged once and training goes on."""
-        try:
-            fn(*args)
-        except Exception as e:
-            log_once(log, self._failed, what, "flashwatch: %s failed (%s: %s); training "
-                     "continues", what, type(e).__name__, e, level=logging.ERROR, exc_info=e)
+        shared.guard(self._failed, what, fn, *args)
 
 
 def _state_path(args, state) -> str:
