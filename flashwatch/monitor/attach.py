@@ -2,7 +2,8 @@
 
 Three mechanisms, all undone by `Attachment.detach()`:
   forward    each watched attention module's class is swapped for one subclass per
-             attention class (`watched_class`) whose forward reads the module's `Link`.
+             attention class (`watched_class`, flashwatch/monitor/forwards.py, with
+             `OwnForward` and `Link`) whose forward reads the module's `Link`.
              A module with its own instance attribute `forward` (torchtitan's
              Module.parallelize, accelerate's hooks, `m.forward = ...`) gets it wrapped
              in its __dict__ (`Attachment.adopt`), at attach or, if set since, when a
@@ -29,7 +30,6 @@ Three mechanisms, all undone by `Attachment.detach()`:
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
@@ -40,122 +40,20 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels import dispatch as _dispatch_mod
-from flashwatch.monitor import traced as _traced
 from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recomputing
+from flashwatch.monitor.forwards import (
+    ABSENT,
+    LINK,
+    OWN_LINK,
+    Link,
+    OwnForward,
+    place_link,
+    watched_class,
+    wrapped_here,
+)
 from flashwatch.parallel.pipelining import in_metadata_inference
 
 log = logging.getLogger("flashwatch")
-
-# Module attributes holding a watched attention module's Link: LINK, where the class
-# forward reads it, or OWN_LINK while flashwatch's wrapper of the module's own instance
-# forward (OwnForward) is its forward: the class forward, finding no Link, then passes
-# straight through when that own forward calls it.
-LINK = "_flashwatch_link"
-OWN_LINK = "_flashwatch_own_link"
-_ABSENT = object()
-
-
-class Link:
-    """What a watched module's forward reads: its watcher, its layer's state and its
-    class before it was watched. Deep copies and DataParallel replicas of the module
-    share it (as they shared forward hooks): they are measured as the same layer."""
-
-    __slots__ = ("recorder", "st", "base")
-
-    def __init__(self, recorder, st, base: type):
-        self.recorder, self.st, self.base = recorder, st, base
-
-    def __deepcopy__(self, memo):
-        return self
-
-
-_WATCHED_CLASSES: dict[type, type] = {}
-
-
-def watched_class(base: type) -> type:
-    """One subclass per attention class (all layers of a model share it, so regional
-    compilation, e.g. each block compiled on its own, still reuses one graph for every
-    block) whose forward reads the module's Link. A subclass, not a forward in the
-    module's __dict__, so that deep copies and replicas call it with themselves as
-    `self`, never with the original module's weights."""
-    cls = _WATCHED_CLASSES.get(base)
-    if cls is None:
-        original = base.forward
-
-        @functools.wraps(original)
-        def forward(module, *args, **kwargs):
-            link = module.__dict__.get(LINK)
-            rec = None if link is None else link.recorder
-            # routed, or a measured step (read inline: this runs on every forward)
-            if rec is not None and not rec.cadence.removed and (
-                    link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
-                if link.st.compiled.traced and torch.compiler.is_compiling():
-                    return _traced.run(link.st, module, original, args, kwargs)
-                return rec.attachment.run(link.st, module, original, args, kwargs)
-            return original(module, *args, **kwargs)
-
-        cls = _WATCHED_CLASSES[base] = type(base.__name__, (base,), {
-            "forward": forward, "__module__": base.__module__,
-            "__qualname__": base.__qualname__})
-    return cls
-
-
-class OwnForward:
-    """What replaces a watched module's own instance attribute `forward`
-    (`Attachment.adopt`): the class forward's logic around the module's own forward.
-    An instance forward takes no `self` (it is never bound on lookup), so it is called
-    as `own(*args)`; `Attachment.run` and `traced.run` pass the module first, hence
-    `_call_own`.
-
-    Only the module's current forward measures: a wrapper captured by a forward set
-    since (accelerate's add_hook_to_module keeps `module.forward` and calls it) passes
-    straight through once that forward is wrapped in turn, so a call is measured once.
-    It holds its own forward, not the module's __dict__ entry: such a chain never loops.
-
-    Deep copies: copy.deepcopy copies this object with the module, so `module` is the
-    copy and `own` is copied as the module's own forward would be unwatched (a bound
-    method rebound to the copy, a functools.partial with its arguments deep-copied, a
-    function or closure shared: a closure over the original module, as torchtitan's,
-    runs the original's weights in the copy, watched or not). The copy shares the Link
-    and is measured as the same layer."""
-
-    def __init__(self, module: nn.Module, own):
-        self.module, self.own = module, own
-
-    @property
-    def __wrapped__(self):  # inspect.signature(module.forward) reads the own forward's
-        return self.own
-
-    def _call_own(self, _module, *args, **kwargs):
-        return self.own(*args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        d = self.module.__dict__
-        link = d.get(OWN_LINK)
-        rec = None if link is None else link.recorder
-        if rec is not None and not rec.cadence.removed and (
-                link.st.routed or (rec.cadence.monitoring and not rec.cadence.paused)):
-            current = d.get("forward")
-            if current is self or not isinstance(current, OwnForward):
-                if link.st.compiled.traced and torch.compiler.is_compiling():
-                    return _traced.run(link.st, self.module, self._call_own, args, kwargs)
-                return rec.attachment.run(link.st, self.module, self._call_own, args,
-                                          kwargs)
-        return self.own(*args, **kwargs)
-
-
-def _wrapped_here(forward, module) -> bool:
-    """`forward` is flashwatch's wrapper of `module`'s own forward."""
-    return isinstance(forward, OwnForward) and forward.module is module
-
-
-def _place(d: dict, link: Link, key: str) -> None:
-    """The Link at `key` (LINK or OWN_LINK) and not at the other one. Written only when
-    it moves: Dynamo guards on the module's attributes."""
-    if d.get(key) is not link:
-        d[key] = link
-    d.pop(OWN_LINK if key == LINK else LINK, None)
-
 
 class _Interceptor(TorchFunctionMode):
     """Routes F.scaled_dot_product_attention calls made inside a watched module."""
@@ -243,7 +141,7 @@ class Attachment:
                         "removed; this one takes the layer over", st.site.name)
         base = type(mod) if old is None else old.base
         link = Link(self.recorder, st, base)
-        _place(d, link, LINK)
+        place_link(d, link, LINK)
         mod.__class__ = watched_class(base)
         self.adopt(st)
 
@@ -255,7 +153,7 @@ class Attachment:
             else:
                 return  # another watcher took it over
             ours = d.get("forward")
-            if _wrapped_here(ours, mod):  # else replaced since: the user's stays
+            if wrapped_here(ours, mod):  # else replaced since: the user's stays
                 d["forward"] = ours.own  # the module's own object, as it was
             if type(mod) is watched_class(base):  # else re-wrapped (fully_shard):
                 mod.__class__ = base  # kept, its forward passes straight through
@@ -277,13 +175,13 @@ class Attachment:
         if link is None or link.st is not st:  # removed, or another watcher took it over
             return False
         try:
-            own = d.get("forward", _ABSENT)
-            st.shadowed = own is not _ABSENT and not callable(own)
-            if _wrapped_here(own, mod):
-                _place(d, link, OWN_LINK)
+            own = d.get("forward", ABSENT)
+            st.shadowed = own is not ABSENT and not callable(own)
+            if wrapped_here(own, mod):
+                place_link(d, link, OWN_LINK)
                 return False
-            if own is _ABSENT or st.shadowed:  # nothing of its own to wrap
-                _place(d, link, LINK)
+            if own is ABSENT or st.shadowed:  # nothing of its own to wrap
+                place_link(d, link, LINK)
                 if st.shadowed:
                     self.recorder.ledger.warn_once(("shadowed", st.site.name), (
                         f"flashwatch: {st.site.name} has an instance attribute `forward` "
@@ -293,7 +191,7 @@ class Attachment:
                         f"unmitigable)"))
                 return False
             d["forward"] = OwnForward(mod, own)
-            _place(d, link, OWN_LINK)
+            place_link(d, link, OWN_LINK)
             log.info("flashwatch: %s has its own instance attribute `forward`; flashwatch "
                      "wraps it", st.site.name)
             return True
