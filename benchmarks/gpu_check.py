@@ -15,6 +15,8 @@
 (c) watcher overhead on GPT-2 Small, eager / torch.compile / mode="reduce-overhead"
     (benchmarks/bench_watcher.py overhead_modes): step times, syncs per step
     (torch.cuda.set_sync_debug_mode), peak memory, dynamo counters.
+(f) FlexAttention and varlen on their real kernels in a watched BF16 model, forward and
+    backward, against FP64 (benchmarks/gpu_flex.py; the CPU tests use stand-ins).
 The JSON at --out is rewritten (tmp file + rename) after every sub-check; a stage past
 its budget (--budget) records the rest as skipped; a failing sub-check is recorded as an
 error and the run goes on. --dry-run: every stage's code path on the CPU at tiny shapes
@@ -42,7 +44,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import flashwatch as fw  # noqa: E402
-from benchmarks import bench_watcher  # noqa: E402
+from benchmarks import bench_watcher, gpu_flex  # noqa: E402
 from flashwatch.kernels.common import GUARD_NATS, Mode  # noqa: E402
 from tests.oracle import causal_mask, math_attention  # noqa: E402  (the tests' oracle)
 
@@ -51,8 +53,10 @@ REAL = dict(device="cuda", B=8, H=16, grid=[(n, d, c) for c in (True, False)
             rep_ms=100, backend="triton")
 DRY = dict(device="cpu", B=1, H=3, grid=[(48, 16, True), (40, 16, False)], rep_ms=5,
            backend="triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference")
-BUDGET_S = {"a": 300, "b": 120, "c": 420, "t": 420}  # a run ≤ 420 s + ≈ 30 s of start-up
-CHECK_TIMEOUT_S = {"a": 240, "b": 90, "c": 200, "t": 300}  # one sub-check; w (warm) is in a
+# a run ≤ 420 s + ≈ 30 s of start-up
+BUDGET_S = {"a": 300, "b": 120, "c": 420, "t": 420, "f": 300}
+# one sub-check; w (warm) is in a
+CHECK_TIMEOUT_S = {"a": 240, "b": 90, "c": 200, "t": 300, "f": 200}
 MODES = (Mode.STANDARD, Mode.BETA, Mode.FP32_O)
 VARIANTS = ("counters_off", "counters_on", "all_beta", "all_fp32_o")
 TARGETS = {"sdpa_over_counters_off": 0.9, "counters_on": 0.03, "all_beta": 0.05,
@@ -440,7 +444,7 @@ def tf32_probe(device: str, dry: bool) -> dict:
 
 
 STAGES = {"a": "correctness", "b": "speed", "c": "watcher overhead",
-          "t": "the Triton test files, compiled"}
+          "t": "the Triton test files, compiled", "f": "FlexAttention and varlen kernels"}
 # (t): the CPU suite's Triton tests (interpreter-sized shapes: masks, softcap, ragged
 # blocks, exact counters, five matmuls a block pair) run natively, one pytest per file.
 # FLASHWATCH_TRITON_AUTOTUNE=0: one fixed config per kernel variant, so the compiles fit.
@@ -484,18 +488,20 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
             (f"real_model_{m}", lambda m=m, b=b: real_model(cfg["device"], m, b, dry))
             for m, b in (("gpt2", (8, 1024)), ("smollm", (4, 1024)))],
         "t": [(f, lambda f=f: native_tests(f, dry)) for f in NATIVE_TESTS],
+        "f": [(name, lambda fn=fn: fn(cfg["device"], dry))
+              for name, fn in (("flex", gpu_flex.flex), ("varlen", gpu_flex.varlen))],
     }
-    todo = "abct" if stage == "all" else stage
+    todo = "abctf" if stage == "all" else stage
     warmer = checks["a"].pop(0)
     if warm_first:  # the first of a and b warms the cache
         checks["a" if "a" in todo else "b"].insert(0, warmer)
-    return [(s, checks[s]) for s in "abct" if s in todo]
+    return [(s, checks[s]) for s in "abctf" if s in todo]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--stage", default="ab", choices=("a", "b", "c", "t", "ab", "all"),
-                    help="ab then c: two runs of ≤ 8 min each; t if the loan has time")
+    ap.add_argument("--stage", default="ab", choices=("a", "b", "c", "t", "f", "ab", "all"),
+                    help="ab then c: two runs of ≤ 8 min each; t, f if the loan has time")
     ap.add_argument("--out", required=False, default=str(ROOT / "gpu_check.json"))
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, reference")
     ap.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
@@ -518,13 +524,13 @@ def main() -> int:
     for item in args.budget:
         name, _, secs = item.partition("=")
         if name not in BUDGET_S or not secs.replace(".", "", 1).isdigit():
-            ap.error(f"--budget takes STAGE=SECONDS with STAGE in a, b, c, t; got {item!r}")
+            ap.error(f"--budget takes STAGE=SECONDS with STAGE in a, b, c, t, f; got {item!r}")
         budget[name] = float(secs)
     meta = {"argv": sys.argv[1:], "dry_run": args.dry_run, "torch": torch.__version__,
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "device": torch.cuda.get_device_name() if not args.dry_run else "cpu",
             "config": {k: v for k, v in cfg.items()}, "budget_s": budget,
-            "stages": {s: STAGES[s] for s in ("abct" if args.stage == "all" else args.stage)}}
+            "stages": {s: STAGES[s] for s in ("abctf" if args.stage == "all" else args.stage)}}
     try:
         meta["compile_estimate"] = compile_estimate(REAL)
     except Exception as e:  # the kernels' tuning module moved: say so, go on

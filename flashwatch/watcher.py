@@ -387,8 +387,10 @@ class Watcher:
         (flashwatch/monitor/traced.py); else every compiled function runs it eagerly."""
         for st in self._states:
             st.compiled.traced = st.traceable()
-        self._attachment.force_eager(
-            self._cadence.measuring and not all(st.compiled.traced for st in self._states))
+        # a routed layer's flex or varlen calls reach flashwatch's kernel only eagerly
+        flex_routed = any(st.routed and st.compiled.flex_seen for st in self._states)
+        self._attachment.force_eager(flex_routed or (
+            self._cadence.measuring and not all(st.compiled.traced for st in self._states)))
 
     def _split(self, st: LayerState) -> str | None:
         """A layer watched whole whose Q, K, V Linears `parallelize_module` split since

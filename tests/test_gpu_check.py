@@ -14,7 +14,8 @@ GRID = ("N48_D16_causal", "N40_D16_full")
 CHECKS = {"a": ("warm",) + GRID + ("tf32_probe",), "b": GRID + ("tuned_configs", "masked"),
           "c": ("eager", "compiled", "reduce_overhead", "real_model_gpt2", "real_model_smollm"),
           "t": tuple(p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_triton_*.py"))
-                     if p.name != "test_triton_tuning.py")}
+                     if p.name != "test_triton_tuning.py"),
+          "f": ("flex", "varlen")}
 
 
 def run(tmp_path, *args, env=None, timeout=600):
@@ -32,7 +33,7 @@ def checks_of(data, stage):
     return data["stages"][stage]["checks"]
 
 
-@pytest.mark.parametrize("stage", ["a", "b", "c", "t"])
+@pytest.mark.parametrize("stage", ["a", "b", "c", "t", "f"])
 def test_stage_writes_every_sub_check(tmp_path, stage):
     proc, data = run(tmp_path, "--stage", stage, *(["--no-warm"] if stage == "b" else []))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -64,6 +65,10 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
         assert set(masked["fwd_bwd_ms"]) == {"plain_full", "plain_causal", "key_padding",
                                              "softcap", "sliding_window", "sdpa_key_padding"}
         assert all(r > 0 for r in masked["ratios"].values())
+    if stage == "f":  # flex forward on the CPU, against FP64; varlen has no CPU kernel
+        flex = got["flex"]["result"]
+        assert flex["ok"] and flex["max_logit_rel_err"] < 1e-4 and flex["tie_count_errors"] == 0
+        assert "skipped" in got["varlen"]["result"]
     if stage == "t":  # collected in the interpreter; on the GPU they run compiled
         assert all(" collected" in got[f]["result"]["summary"] for f in CHECKS["t"])
     if stage == "c":

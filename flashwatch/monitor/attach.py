@@ -40,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from flashwatch.kernels import dispatch as _dispatch_mod
+from flashwatch.monitor import flex as _flex
 from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recomputing
 from flashwatch.monitor.forwards import (
     ABSENT,
@@ -56,7 +57,8 @@ from flashwatch.parallel.pipelining import in_metadata_inference
 log = logging.getLogger("flashwatch")
 
 class _Interceptor(TorchFunctionMode):
-    """Routes F.scaled_dot_product_attention calls made inside a watched module."""
+    """Routes F.scaled_dot_product_attention calls made inside a watched module, and its
+    FlexAttention and varlen calls (torch's ops: flashwatch/monitor/flex.py)."""
 
     def __init__(self, attachment: Attachment):
         super().__init__()
@@ -69,6 +71,13 @@ class _Interceptor(TorchFunctionMode):
             st = self.attachment.current
             if st is not None:
                 return self.attachment.recorder.on_sdpa(st, func, args, kwargs)
+        elif (_flex.is_flex(func) or _flex.is_varlen(func)) \
+                and not torch.compiler.is_compiling():  # traced: seen again when it runs
+            st = self.attachment.current
+            if st is not None:
+                rec = self.attachment.recorder
+                on = rec.on_flex if _flex.is_flex(func) else rec.on_varlen
+                return on(st, func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -31,6 +31,7 @@ from flashwatch.kernels import dispatch as _dispatch_mod
 from flashwatch.kernels.common import AttentionStats, check_inputs
 from flashwatch.monitor import traced
 from flashwatch.monitor.checkpointing import outside_selective_checkpoint, recomputing
+from flashwatch.monitor.flex_capture import FlexCapture
 from flashwatch.monitor.layer_state import LayerState
 from flashwatch.monitor.ledger import ErrorLedger
 from flashwatch.monitor.probing import ProbeRecorder
@@ -57,10 +58,11 @@ class Cadence:
         return self.monitoring and not self.paused
 
 
-class Recorder(ProbeRecorder):
+class Recorder(ProbeRecorder, FlexCapture):
     """Records a watcher's layers' attention calls and gradients into their buffers:
     routes calls to flashwatch's kernel here, measures them in ProbeRecorder
-    (flashwatch/monitor/probing.py)."""
+    (flashwatch/monitor/probing.py); FlexAttention and varlen calls in FlexCapture
+    (flashwatch/monitor/flex_capture.py)."""
 
     def __init__(self, owner, config: WatchConfig, states: list[LayerState],
                  cadence: Cadence, ledger: ErrorLedger, n_heads: int | None = None) -> None:
@@ -149,6 +151,14 @@ class Recorder(ProbeRecorder):
         # route and probe what SDPA computes with (autocast: rotary models hand it FP32
         # q, k and a BF16 v)
         q, k, v = traced.autocast_qkv(a["query"], a["key"], a["value"])
+        if not self._layer_heads(st, q):
+            return None, q, k, v, False
+        return a, q, k, v, st.routed
+
+    def _layer_heads(self, st: LayerState, q) -> bool:
+        """Does a call's q [B, H, N, D] hold the layer's heads (narrowing a layer that
+        tensor parallelism split after attach to this rank's heads first)? If not, the
+        call is left unmeasured with the reason in st.buf.unmeasured."""
         if q.dim() == 4 and q.shape[1] == st.site.num_heads \
                 and unnarrowed_tp(st.site) is not None:
             # its Q projection split, yet every head here: the output was gathered (the
@@ -178,8 +188,8 @@ class Recorder(ProbeRecorder):
                                  f"layer's {st.site.num_heads} ({why})")
             self.warn_once(st, "heads", f"flashwatch: {st.site.name}: {st.buf.unmeasured}; "
                            f"such calls run as they are and are not measured")
-            return None, q, k, v, False
-        return a, q, k, v, st.routed
+            return False
+        return True
 
     def _measure_sdpa(self, st: LayerState, a, q, k, v, out, routed: bool) -> None:
         mask, dropout = a.get("attn_mask"), a.get("dropout_p", 0.0)

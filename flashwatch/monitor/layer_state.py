@@ -86,6 +86,8 @@ class CompileFacts:
     checkpointed: bool = False  # its forward was recomputed (activation checkpointing)
     dropout_seen: bool = False  # called SDPA with attention dropout while measured
     fw_seen: bool = False  # made a flashwatch.attention call while measured
+    flex_seen: bool = False  # made a FlexAttention or varlen call (flashwatch/monitor/flex.py):
+    # measured where it runs eagerly, so measured and routed steps stay eager
     traced: bool = False  # its compiled forward runs the traced probe on measured steps
 
 
@@ -152,7 +154,8 @@ class LayerState:
         from flashwatch.monitor import traced
 
         c = self.compiled
-        return (traced.SUPPORTED and c.sdpa_seen and not c.fw_seen and not c.checkpointed
+        return (traced.SUPPORTED and c.sdpa_seen and not c.fw_seen and not c.flex_seen
+                and not c.checkpointed
                 and not c.dropout_seen and not self.routed and not self.shadowed
                 and (self.site.q_module is None or c.q_path is not None))
 

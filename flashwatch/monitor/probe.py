@@ -128,7 +128,7 @@ def score_bias(n_q: int, n_k: int, *, causal: bool, attn_mask=None, sliding_wind
 def recompute(q, k, v, rows: Rows, *, causal: bool, scale: float, attn_mask=None, eps: float,
               softcap: float | None = None, sliding_window: int | None = None,
               bias: torch.Tensor | None = None, row_bias: torch.Tensor | None = None,
-              every_row: bool = True):
+              every_row: bool = True, score_fn=None):
     """Every row's max and ties per head, and the FP32 rows of the sample, [E, H, w, ·]:
     [j, h, i] is query rows.t[j, i] of batch element rows.elems[j] (j if elems is None).
 
@@ -139,15 +139,19 @@ def recompute(q, k, v, rows: Rows, *, causal: bool, scale: float, attn_mask=None
     as flashwatch.attention computes it. row_bias [B, 1, Nq, 1]: 0 for a real query,
     -inf for padding (its row is left out of the max and the ties). every_row=False:
     the sample only (flashwatch's kernel counted the call's rows): tied and row_max None.
+    score_fn(s, lo, hi, q0, q1): the scaled scores of elements lo:hi, query rows q0:q1
+    as the call's kernel scores them (FlexAttention's score and mask mods, varlen's
+    documents: flashwatch/monitor/flex.py), applied to each chunk before the masks.
     Returns a Recomputed.
     """
     with no_autocast(q.device):  # under the user's autocast FP32 products would be BF16
         if bias is None:
             bias = score_bias(q.shape[2], k.shape[2], causal=causal, attn_mask=attn_mask,
                               sliding_window=sliding_window, device=q.device)
-        hides_rows = attn_mask is not None or sliding_window is not None
+        hides_rows = attn_mask is not None or sliding_window is not None or \
+            score_fn is not None
         return _recompute(q, k, v, rows, float(scale), bias, row_bias, eps, softcap,
-                          hides_rows, every_row)
+                          hides_rows, every_row, score_fn)
 
 
 class Recomputed(NamedTuple):
@@ -178,7 +182,8 @@ def _chunks(B: int, H: int, Nq: int, Nk: int):
     return [(b, b + 1, q0, min(Nq, q0 + qb)) for b in range(B) for q0 in range(0, Nq, qb)]
 
 
-def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, every):
+def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, every,
+               score_fn=None):
     B, H, Nq, D = q.shape
     G, Nk, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if H % G or v.shape[1] != G:
@@ -198,7 +203,12 @@ def _recompute(q, k, v, rows, scale, bias, row_bias, eps, softcap, hides_rows, e
         s = torch.matmul(qc, kv32[lo:hi, :, :, :D].transpose(-1, -2)).view(n, H, m, Nk)
         if softcap is not None:
             s = torch.tanh(s.mul_(cap_scale)).mul_(softcap)
-        if bias is not None:
+        if score_fn is not None:  # the kernel's own mods see the scaled scores
+            s = score_fn(s.mul_(scale), lo, hi, q0, q1)
+            if bias is not None:
+                bc = bias[..., q0:q1, :]
+                s = s + (bc[lo:hi] if bc.dim() == 4 and bc.shape[0] > 1 else bc)
+        elif bias is not None:
             bc = bias[..., q0:q1, :]
             bc = bc[lo:hi] if bc.dim() == 4 and bc.shape[0] > 1 else bc
             s = torch.add(bc, s, alpha=scale)

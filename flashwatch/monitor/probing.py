@@ -64,20 +64,25 @@ class ProbeRecorder:
         self.ledger.warn_once((st.site.name, key), message)
 
     def _safe_probe(self, st, q, k, v, out, causal, scale, mask, routed, grad=True,
-                    softcap=None, sliding_window=None):
-        """The probe on an eager call; grad=False: its ties and max logit only."""
+                    softcap=None, sliding_window=None, score_fn=None, grad_view=None):
+        """The probe on an eager call; grad=False: its ties and max logit only.
+        score_fn: the call's own scores (flashwatch/monitor/flex.py); grad_view(g): the
+        gradient of `out` as [B, H, N, Dv] where `out` is packed (varlen's [T, H, Dv])."""
         t0 = time.perf_counter()
         with self.ledger.guard(f"probe {st.site.name}"):
             if recomputing():
                 st.compiled.checkpointed = True  # keeps the eager path (traced.py cannot trace it)
                 if grad:
-                    self._hook_recompute(st, out)
+                    self._hook_recompute(st, out, grad_view)
             else:
-                probed = self._probe(st, q, k, v, out, causal, scale, mask, routed, st.buf.x,
-                                     softcap, sliding_window)
+                view = (lambda t: t) if grad_view is None else grad_view
+                probed = self._probe(st, q, k, v, view(out), causal, scale, mask, routed,
+                                     st.buf.x, softcap, sliding_window, score_fn)
                 if probed is not None and grad:
                     if out.requires_grad:  # the hook goes on the tensor autograd sees
-                        out.register_hook(self._grad_hook(st, probed))
+                        hook = self._grad_hook(st, probed)
+                        out.register_hook(hook if grad_view is None
+                                          else lambda g: hook(grad_view(g)))
                     else:  # a reentrant checkpoint's first forward: its recompute hooks it
                         st.buf.no_grad_samples.append(probed)
         self.ledger.seconds += time.perf_counter() - t0
@@ -129,7 +134,7 @@ class ProbeRecorder:
                             f"after step()); its δ error is not measured")
 
     def _probe(self, st, q, k, v, out, causal, scale, mask, routed, x, softcap=None,
-               sliding_window=None):
+               sliding_window=None, score_fn=None):
         """Every row's max logit and ties (unless the kernel counted them), the sampled
         rows' FP32 recomputation, kept as a Sample; returns the ProbedCall for the
         gradient step, None if not probed."""
@@ -156,7 +161,7 @@ class ProbeRecorder:
                                   attn_mask=mask, eps=cfg.eps, softcap=softcap,
                                   sliding_window=sliding_window, bias=bias,
                                   row_bias=None if valid is None else valid.row_bias,
-                                  every_row=not counted)
+                                  every_row=not counted, score_fn=score_fn)
             o_used = probe.take(out, rows, 2)
             fp32_heads = st.modes == int(Mode.FP32_O)  # CPU: .any() syncs nothing
             fp32_dev = None
@@ -190,6 +195,8 @@ class ProbeRecorder:
         """(X at the sampled rows, None) where the Q projection's input fits the call,
         else (None, q at the rows in FP32): the q-space sketch terms, and no δ share."""
         B, _, Nq, _ = q.shape
+        if x is not None and x.dim() == 3 and B == 1 and x.shape[0] * x.shape[1] == Nq:
+            x = x.reshape(1, Nq, x.shape[2])  # packed documents (varlen): [b, s] → [1, T]
         if x is not None and x.dim() == 3 and x.shape[:2] == (B, Nq) and \
                 x.shape[2] == st.site.d_model:
             return probe.take(x.detach(), rows, 1), None
@@ -200,7 +207,7 @@ class ProbeRecorder:
                             f"give it; using q-space sketch terms (no δ error share)")
         return None, probe.take(q, rows, 2).float()
 
-    def _hook_recompute(self, st, out):
+    def _hook_recompute(self, st, out, grad_view=None):
         """Activation checkpointing's recompute of a call already counted: count nothing
         again. Non-reentrant: the first forward's output got the gradient hook, done.
         Reentrant: the first forward ran without grad and left its sample; the gradient
@@ -208,6 +215,7 @@ class ProbeRecorder:
         in reverse call order, hence the last sample first."""
         if not (out.requires_grad and st.buf.no_grad_samples):
             return
+        packed, out = out, (out if grad_view is None else grad_view(out))
         call = st.buf.no_grad_samples.pop()
         sample = call.sample
         # the call's shape, known on the host (b.max() would be a host sync)
@@ -219,7 +227,8 @@ class ProbeRecorder:
                             f"call's output {tuple(out.shape)} does not fit the sample of "
                             f"its first forward; its δ error is not measured")
             return
-        out.register_hook(self._grad_hook(st, call))
+        hook = self._grad_hook(st, call)
+        packed.register_hook(hook if grad_view is None else lambda g: hook(grad_view(g)))
 
     def _grad_hook(self, st, call: ProbedCall):
         """c[T] of the sampled rows while dO is at hand: against the kernel's own O_fp32
