@@ -354,6 +354,10 @@ def _common(arch: str) -> dict:
 
 HF_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", "causal", dict(num_key_value_heads=2)),
+    # torch's flex_attention (transformers' integrations/flex_attention.py), read by
+    # flashwatch/monitor/flex.py
+    "llama_flex": ("LlamaConfig", "LlamaForCausalLM", "causal",
+                   dict(num_key_value_heads=2, attn_implementation="flex_attention")),
     "mistral": ("MistralConfig", "MistralForCausalLM", "causal",
                 dict(num_key_value_heads=2, sliding_window=8)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "causal", dict(num_key_value_heads=2)),

@@ -2,12 +2,13 @@
 config classes, no download) × {FP32, BF16, BF16 autocast}.
 
 Per architecture and recipe: discovery; `attention_max_logit` against FP64 scores
-computed here from the q, k (and mask) each SDPA call received, captured by our own
-TorchFunctionMode; `wq_spectral_norm` against the per-head W^Q slice read from the
-weight as the modeling code splits it (TRUE_WQ); and head modes set on a layer either
-run (output within BF16 rounding of SDPA's: the 2× rule against an FP64 copy of the
-model) or are reported unmitigable. Architectures flashwatch refuses are checked to be
-refused with a message naming why.
+computed here from the q, k (and mask) each SDPA or flex_attention call received,
+captured by our own TorchFunctionMode; `wq_spectral_norm` against the per-head W^Q
+slice read from the weight as the modeling code splits it (TRUE_WQ); and head modes
+set on a layer either run (output within BF16 rounding of SDPA's: the 2× rule against
+an FP64 copy of the model) or are reported unmitigable. Architectures flashwatch
+refuses are checked to be refused with a message naming why. Flex rows run forwards
+only (torch has no FlexAttention backward on a CPU).
 
 docs/compatibility.md is this file's table: FLASHWATCH_WRITE_COMPAT=1 rewrites it, and
 `test_the_committed_table_is_current` fails when it differs from what the suite finds.
@@ -37,21 +38,35 @@ from standins import HF_ARCHS, hf_inputs, hf_tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_next", "gemma2", "gemma2_fw",
-         "gemma3", "phi3", "gpt_neox", "falcon", "falcon_new", "bloom", "gpt2", "opt", "bert",
-         "roberta", "vit", "t5", "bart"]
+ARCHS = ["llama", "llama_flex", "mistral", "qwen2", "qwen3", "olmo2", "qwen3_next", "gemma2",
+         "gemma2_fw", "gemma3", "phi3", "gpt_neox", "falcon", "falcon_new", "bloom", "gpt2",
+         "opt", "bert", "roberta", "vit", "t5", "bart"]
 
 
 def _installed(arch: str) -> bool:
     import transformers
+    from transformers.utils import is_torch_flex_attn_available
 
-    return all(hasattr(transformers, c) for c in HF_ARCHS[arch][:2])
+    flex = HF_ARCHS[arch][3].get("attn_implementation") == "flex_attention"
+    return all(hasattr(transformers, c) for c in HF_ARCHS[arch][:2]) and (
+        not flex or is_torch_flex_attn_available())
 
 
 MISSING = [a for a in ARCHS if not _installed(a)]  # dropped: this transformers lacks them
 ARCHS = [a for a in ARCHS if a not in MISSING]
 RECIPES = ["fp32", "bf16", "autocast"]
 TABLE = Path(__file__).resolve().parent.parent / "docs" / "compatibility.md"
+
+
+def _flex_hop():
+    try:
+        from torch._higher_order_ops.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
+
+
+FLEX_HOP = _flex_hop()
 
 
 def _split(w, H, parts, D):  # [out, C] viewed per head: [H, parts, D, C]
@@ -76,7 +91,9 @@ TRUE_WQ = {
 
 # Notes on what each tiny model exercises (the facts behind its row).
 NOTES = {
-    "llama": "GQA 4:2, rotary", "mistral": "sliding window 8 < 12 tokens: a bool mask",
+    "llama": "GQA 4:2, rotary", "llama_flex": 'attn_implementation="flex_attention": '
+    "BlockMask (causal, padded keys), transformers' score_mod closure; forward only",
+    "mistral": "sliding window 8 < 12 tokens: a bool mask",
     "qwen2": "q/k/v biases", "qwen3": "q_norm/k_norm per head_dim", "olmo2":
     "q_norm/k_norm over all heads", "qwen3_next": "full-attention layers only; gated "
     "q_proj; q_norm/k_norm", "gemma2": "attn softcapping; transformers has no SDPA path",
@@ -100,9 +117,13 @@ def _true_wq(arch, attn):
 class Scores(TorchFunctionMode):
     """FP64 max logit per head of every SDPA call, keyed by the running watched layer:
     scale·q·kᵀ, causal and bool masks as -inf, float masks added (as SDPA does), with
-    q and k cast as autocast casts SDPA's inputs; the padded query rows of `real`
-    ([B, N] bool, the inputs' attention_mask) left out, in the layers it covers (an
-    encoder-decoder's encoder: `covered` holds their modules' ids; None: all)."""
+    q and k cast as autocast casts SDPA's inputs; flex_attention op calls the same, their
+    BlockMask's mask_mod made dense by torch's create_mask (the call Dynamo traces is
+    seen again when it runs: that one counts; tests/integrations/test_hf_flex.py checks
+    that mask, and that transformers' score_mod leaves Llama's scores as they are); the
+    padded query rows of `real` ([B, N] bool, the inputs' attention_mask) left out, in
+    the layers it covers (an encoder-decoder's encoder: `covered` holds their modules'
+    ids; None: all)."""
 
     def __init__(self, sites, real=None, covered=None):
         super().__init__()
@@ -151,6 +172,13 @@ class Scores(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             self._seen(*args, **kwargs)
+        elif FLEX_HOP is not None and func is FLEX_HOP and not torch.compiler.is_compiling():
+            from torch.nn.attention.flex_attention import create_mask
+
+            q, k, v, _, block_mask, scale = args[:6]
+            mask = create_mask(block_mask[-1], q.shape[0], 1, q.shape[2], k.shape[2],
+                               device=q.device)
+            self._seen(q, k, v, attn_mask=mask, scale=scale)
         return func(*args, **kwargs)
 
     def _record(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -176,6 +204,10 @@ class Scores(TorchFunctionMode):
             s = s.masked_fill(~real[:, None, :, None], -math.inf)
         m = s.amax((0, 2, 3))
         self.max[name] = torch.maximum(self.max[name], m) if name in self.max else m
+
+
+def _flex(model) -> bool:
+    return model.config._attn_implementation == "flex_attention"
 
 
 def _loss(out):
@@ -215,9 +247,12 @@ def outcome(arch: str, recipe: str) -> dict:
     real = inputs.get("attention_mask")
     covered = ({id(m) for m in model.get_encoder().modules()}
                if model.config.is_encoder_decoder else None)
-    with Scores(w.sites, None if real is None else real.bool(), covered) as oracle:
+    grad = not _flex(model)  # torch has no FlexAttention backward on a CPU
+    with Scores(w.sites, None if real is None else real.bool(), covered) as oracle, \
+            torch.set_grad_enabled(grad):
         out = _forward(model, inputs, recipe)
-        _loss(out).backward()
+        if grad:
+            _loss(out).backward()
     report = w.step()
     for h in oracle.handles:
         h.remove()
@@ -266,8 +301,8 @@ def _modes(model, w, inputs, recipe, layer) -> str:
     """FP32_O on every head of `layer`: the output within the 2× rule of SDPA's against
     an FP64 copy, or the layer listed unmitigable."""
     ref = copy.deepcopy(model).double()
-    if ref.config._attn_implementation == "fw_attention":  # FP64: transformers' own path
-        ref.set_attn_implementation("eager")
+    if ref.config._attn_implementation in ("fw_attention", "flex_attention"):
+        ref.set_attn_implementation("eager")  # FP64: transformers' own path, uncompiled
     with torch.no_grad():
         base = _out(_forward(model, inputs, recipe))
         exact = _out(ref(**inputs))
@@ -300,7 +335,8 @@ def test_interleaved_layouts_count_their_own_q_gradient():
 
 def _short(reason: str) -> str:
     for key, text in (("attn_mask", "SDPA gets an attn_mask"), ("dropout", "attention dropout"),
-                      ("no attention call", "no routable call")):
+                      ("no attention call", "no routable call"),
+                      ("score_mod", "flex score_mod not the identity")):
         if key in reason:
             return text
     return reason[:40]
@@ -321,18 +357,30 @@ def table() -> str:
         "random-init Hugging Face models (2 layers, width 32, 4 heads), on a padded batch",
         "(2 × 12 tokens, the first right-padded by 4: text models pass SDPA a mask).",
         "Every `yes` in *measured* is checked there: max logit against FP64 scores of the",
-        "q, k each SDPA call received, W^Q spectral norms against the modeling code's",
-        "per-head split. *Mitigable*: FP32_O set on one layer either ran (output within",
-        "the 2× rule of SDPA's) or the report lists the layer unmitigable, with why.",
+        "q, k each SDPA (or flex_attention) call received, W^Q spectral norms against the",
+        "modeling code's per-head split. *Mitigable*: FP32_O set on one layer either ran",
+        "(output within the 2× rule of SDPA's) or the report lists the layer unmitigable,",
+        "with why.",
         "Here routed calls run the PyTorch reference; on CUDA they run the Triton kernels,",
         "which take the same masks and softcap (`test_masked_hf_calls_run_the_triton_kernels`",
         "runs Mistral's and Gemma2's padded batches through them in Triton's interpreter).",
         "*QK-clip*: τ = half the smallest max logit, two monitored steps on one input;",
         "`yes (n confirmed)` counts clips the next measurement confirmed; `refused`",
         "layers are left untouched (their q/k norm undoes any scaling of W^Q, W^K).",
-        "Refused architectures make no SDPA call (flashwatch/sites/eager_attention.py);",
+        "Refused architectures make no attention call flashwatch sees (SDPA, FlexAttention:",
+        "flashwatch/sites/eager_attention.py);",
         'Gemma2 is watched with attn_implementation="fw_attention"',
-        "(flashwatch/integrations/hf_attention.py).",
+        "(flashwatch/integrations/hf_attention.py). `llama_flex` is Llama loaded with",
+        'attn_implementation="flex_attention": transformers\' compiled flex_attention runs',
+        "eagerly on measured steps and flashwatch reads torch's op (score_mod and mask_mod",
+        "applied to its FP32 scores); forward only here (torch has no FlexAttention",
+        "backward on a CPU). Its head modes run: transformers passes its own score_mod",
+        "closure, the identity for Llama (softcap and biases folded in for others, which",
+        "flashwatch's kernel does not take), and the mask becomes a dense boolean mask.",
+        "Hand-written FlexAttention models (causal, packed documents with padding,",
+        "softcap, ALiBi; grouped-query; eager, compiled, activation checkpointing) and",
+        "varlen (packed documents, causal and windowed) are checked against FP64 in",
+        "tests/monitor/test_flex.py and test_flex_capture.py (head modes, log-sum-exp).",
         "Not in the installed transformers, so not tested: "
         f"{', '.join(MISSING) or 'none'}.",
         "",

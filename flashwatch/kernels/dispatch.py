@@ -148,9 +148,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 def call_kernel(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend,
               o32_out: list | None = None, attn_mask=None, softcap=None,
-              sliding_window=None):
+              sliding_window=None, lse_out: list | None = None):
     """o32_out (the watcher's monitored calls): a list that receives the kernel's FP32 O,
-    [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic)."""
+    [H, B, Nq, D] when the kernel kept every head's (not the "paper" arithmetic).
+    lse_out: a list that receives the log-sum-exp of the scaled scores, [B, H, Nq] FP32,
+    natural log, +inf for a row that sees no key; it carries no gradient."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if torch.compiler.is_compiling():
@@ -173,6 +175,8 @@ def call_kernel(q, k, v, *, causal, scale, head_modes, beta, eps, stats, backend
         sliding_window)
     if o32_out is not None:
         o32_out.append(_o32)
+    if lse_out is not None:
+        lse_out.append(_lse)
     if stats is not None:
         stats.add_(tied, q.shape[0] * q.shape[2], guarded, max_logit.detach())
     return o

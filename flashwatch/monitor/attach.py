@@ -100,6 +100,11 @@ def _update_stance() -> None:
         _PRIOR_STANCE[0] = None
 
 
+def forcing_eager() -> bool:
+    """Does a watcher hold the force_eager stance now (a measured step)?"""
+    return _PRIOR_STANCE[0] is not None
+
+
 def _measuring(key: int, on: bool) -> None:
     if on:
         _MEASURING.add(key)

@@ -289,7 +289,8 @@ class Recorder(ProbeRecorder, FlexCapture):
             st.unmitigable = reason
 
     def _routed(self, st, q, k, v, causal, scale, head_modes, *, user_stats=None, beta=None,
-                eps=None, backend=None, attn_mask=None, softcap=None, sliding_window=None):
+                eps=None, backend=None, attn_mask=None, softcap=None, sliding_window=None,
+                lse_out=None):
         cfg = self.config
         if k.shape[1] != q.shape[1]:  # grouped-query attention (enable_gqa)
             rep = q.shape[1] // k.shape[1]
@@ -306,7 +307,7 @@ class Recorder(ProbeRecorder, FlexCapture):
             q, k, v, causal=causal, scale=scale, head_modes=modes,
             beta=cfg.beta if beta is None else beta, eps=cfg.eps if eps is None else eps,
             stats=stats, backend=backend or cfg.backend, o32_out=o32, attn_mask=attn_mask,
-            softcap=softcap, sliding_window=sliding_window)
+            softcap=softcap, sliding_window=sliding_window, lse_out=lse_out)
         if not recomputing():
             st.routed_calls += 1
         st.buf.o32 = o32[0] if o32 and o32[0].shape[0] == q.shape[1] else None

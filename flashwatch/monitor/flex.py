@@ -27,6 +27,7 @@ higher-order op and a custom op call __torch_function__ as SDPA does.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -91,11 +92,6 @@ class FlexCall:
                         tuple(a.get("score_mod_other_buffers", ())),
                         tuple(a.get("mask_mod_other_buffers", ())))
 
-    def wants_stats(self) -> bool:
-        """The caller asked for the log-sum-exp or the row maxima (return_aux)."""
-        return bool(self.kernel_options.get("OUTPUT_LOGSUMEXP")
-                    or self.kernel_options.get("OUTPUT_MAX"))
-
     def score_fn(self):
         """The probe's per-chunk score function (module docstring)."""
         score = _vmap_bhqk(self.score_mod, with_score=True, n_buffers=len(self.score_buffers))
@@ -111,30 +107,61 @@ class FlexCall:
         return apply
 
     def dense_mask(self) -> torch.Tensor:
-        """mask_mod over the whole call, [B, H, Nq, Nk] bool (True: attends): what
-        flashwatch's kernel takes as attn_mask when the call is routed."""
+        """mask_mod over the whole call, bool (True: attends), what flashwatch's kernel
+        takes as attn_mask when the call is routed: [B, 1, Nq, Nk] when every head's
+        mask is head 0's (evaluated head by head: B·Nq·Nk booleans at a time, 64 MB at
+        8,192 tokens, not B·H·Nq·Nk), else [B, H, Nq, Nk]."""
         B, H, Nq, _ = self.q.shape
         keep = _vmap_bhqk(self.mask_mod, with_score=False, n_buffers=len(self.mask_buffers))
         b, h, m, n = _indices(self.q.device, 0, B, H, 0, Nq, self.k.shape[2])
         with _index_transform():
-            return keep(b, h, m, n, *self.mask_buffers).expand(B, H, Nq, self.k.shape[2])
+            def head(i):
+                return keep(b, h[i:i + 1], m, n, *self.mask_buffers)
+            first = head(0)
+            if all(torch.equal(head(i), first) for i in range(1, H)):  # a sync per head
+                return first
+            return torch.cat([first] + [head(i) for i in range(1, H)], 1)
 
 
-def identity_score(fn) -> bool:
-    """Is `fn` the identity score mod: torch's default (no score_mod given), or a traced
-    graph that returns its score argument unchanged (the same default inside compiled
-    code)?"""
+def score_kind(fn) -> tuple[str, float | None]:
+    """What a score mod does, as flashwatch's kernel can run it: ("identity", None) for
+    torch's default (no score_mod given), a traced graph or a Python function whose
+    torch.fx trace returns the score unchanged (Hugging Face passes its own closure, the
+    identity for Llama); ("softcap", c) for c·tanh(score / c) (Gemma2's, in either
+    order of the product); else ("other", None): control flow on the score, biases,
+    anything position-dependent."""
     if getattr(fn, "__name__", None) == "_identity" and \
             getattr(fn, "__module__", "").startswith("torch.nn.attention"):
-        return True
+        return "identity", None
     graph = getattr(fn, "graph", None)
     if graph is None:
-        return False
+        try:  # control flow on the score cannot be traced: not one the kernel runs
+            graph = torch.fx.symbolic_trace(fn).graph
+        except Exception:
+            return "other", None
     nodes = list(graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
+    score = next((n for n in nodes if n.op == "placeholder"), None)
     out = [n for n in nodes if n.op == "output"]
-    return bool(placeholders and out) and out[0].args[0] in (placeholders[0],
-                                                             (placeholders[0],))
+    calls = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
+    if score is None or not out:
+        return "other", None
+    result = out[0].args[0]
+    result = result[0] if isinstance(result, (tuple, list)) and len(result) == 1 else result
+    if result is score and not calls:
+        return "identity", None
+    if len(calls) == 3:
+        div, tanh, mul = calls
+        c = div.args[1] if len(div.args) == 2 else None
+        factors = list(mul.args) if len(mul.args) == 2 else []
+        other = [a for a in factors if a is not tanh]
+        if (div.target in (operator.truediv, torch.div) and div.args[0] is score
+                and isinstance(c, (int, float)) and c > 0
+                and tanh.target in (torch.tanh, torch.Tensor.tanh) and tanh.args == (div,)
+                and mul.target in (operator.mul, torch.mul) and result is mul
+                and len(other) == 1 and isinstance(other[0], (int, float))
+                and other[0] == c):
+            return "softcap", float(c)
+    return "other", None
 
 
 def _indices(device, lo, hi, H, q0, q1, Nk):
@@ -215,15 +242,18 @@ class VarlenCall:
         end = cu[(doc + 1).clamp(max=cu.numel() - 1)]
         return doc, t - end  # ≤ -1 inside a document
 
-    def score_fn(self):
-        """The probe's per-chunk score function: other documents' keys, and keys outside
-        the causal / windowed band, at -inf."""
+    def _band(self):
+        """(documents and positions of queries and keys, left, right) for `_visible`."""
         dev = self.q.device
         dq, pq = self._positions(self.cu_q, self.q.shape[0], dev)
         dk, pk = self._positions(self.cu_k, self.k.shape[0], dev)
         left, right = self.window
-        if self.causal:
-            right = 0
+        return dq, pq, dk, pk, left, 0 if self.causal else right
+
+    def score_fn(self):
+        """The probe's per-chunk score function: other documents' keys, and keys outside
+        the causal / windowed band, at -inf."""
+        dq, pq, dk, pk, left, right = self._band()
 
         def apply(s, lo, hi, q0, q1):
             return s.masked_fill(~self._visible(dq[q0:q1], pq[q0:q1], dk, pk, left, right),
@@ -242,6 +272,4 @@ class VarlenCall:
 
     def dense_mask(self) -> torch.Tensor:
         """[1, 1, Tq, Tk] bool: the whole call's visibility, for flashwatch's kernel."""
-        fn = self.score_fn()
-        s = torch.zeros(1, 1, self.q.shape[0], self.k.shape[0], device=self.q.device)
-        return torch.isfinite(fn(s, 0, 1, 0, self.q.shape[0]))
+        return self._visible(*self._band())[None, None]

@@ -8,21 +8,32 @@ traced into the graph) and once when that graph runs it, which is measured. On m
 steps every compiled function runs eagerly (Dynamo's force_eager stance, attach.py), so a
 model's torch.compile'd flex_attention (Hugging Face's, torchtitan's) is measured the same
 way; layers that make such calls never take the traced probe (layer_state.traceable).
+There the op's call would run torch's unfused flex, [B, H, N, N] FP32 scores per layer;
+on CUDA flashwatch runs it through torch.compile(flex_attention) instead (`_run_flex`).
 
-Routing (head modes): flashwatch's kernel runs a call whose score mod is the identity, its
-mask_mod as a dense boolean mask (causal, document, sliding window: any mask), the same
-a score mod (softcap, ALiBi, relative biases) is not one the
-kernel can apply, so such a layer runs its own kernel, reported unmitigable with that
-reason. varlen is never routed (its callers may read the log-sum-exp: `_route_varlen`). QK-clip acts on the weights whatever the kernel.
+Routing (head modes): flashwatch's kernel runs a call whose score mod is the identity or a
+softcap (flex.score_kind), its mask_mod as a dense boolean mask (causal, document, sliding
+window: any mask), varlen's documents the same way; another score mod (ALiBi, relative
+biases) is not one the kernel can apply, so such a layer runs its own kernel, reported
+unmitigable with that reason. A routed call hands back the kernel's log-sum-exp in the
+op's units (flex on CUDA computes one for its backward whenever grad is on; callers may
+read it: attention sinks); it carries no gradient, so a gradient that reaches it is
+counted as a monitor error and the layer runs its own kernel from then on
+(`_LseGuard`). QK-clip acts on the weights whatever the kernel.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from flashwatch.monitor import traced
+from flashwatch.monitor.attach import forcing_eager
 from flashwatch.monitor.checkpointing import outside_selective_checkpoint
-from flashwatch.monitor.flex import FlexCall, VarlenCall, identity_score
+from flashwatch.monitor.flex import FlexCall, VarlenCall, score_kind
 from flashwatch.monitor.layer_state import LayerState
 
 
@@ -44,10 +55,33 @@ class FlexCapture:
         result = self._route_flex(st, call) if ours and st.routed else None
         routed = result is not None
         if result is None:
-            result = func(*args, **kwargs)
+            result = self._run_flex(st, func, args, kwargs)
         if ours and self.cadence.measuring:
             self._measure(st, call.q, call.k, call.v, result[0], call, routed)
         return result
+
+    def _run_flex(self, st, func, args, kwargs):
+        """The op's call as the model would run it. On a measured step flashwatch's
+        force_eager stance makes a model's compiled flex_attention call the op eagerly:
+        torch's unfused implementation, [B, H, N, N] FP32 scores per layer (8.6 GB at
+        H 32, N 8,192). Where FUSED_DEVICES has the device, it runs compiled instead
+        (flex_attention under torch.compile, inductor's fused kernel, compiled once per
+        shape and mod as the model's own is); a failure there falls back to the op. Not
+        under a dispatch mode (selective activation checkpointing's caches the region's
+        ops by their order: a compiled call in place of the op would shift it)."""
+        q = args[0] if args else kwargs.get("query")
+        if not (forcing_eager() and q.device.type in FUSED_DEVICES and not st.fused_failed
+                and not _get_current_dispatch_mode_stack()):
+            return func(*args, **kwargs)
+        try:
+            return fused_flex(args, kwargs)
+        except Exception as e:
+            st.fused_failed = True
+            why = f"{type(e).__name__}: {e}"
+            self.warn_once(st, "fused", f"flashwatch: {st.site.name}: running its "
+                           f"flex_attention compiled on measured steps failed ({why}); "
+                           f"torch's unfused flex runs there instead")
+            return func(*args, **kwargs)
 
     def on_varlen(self, st: LayerState, func, args, kwargs):
         if torch.compiler.is_compiling():
@@ -85,41 +119,54 @@ class FlexCapture:
             self.ledger.error(f"probe {st.site.name}", e)
 
     def _route_flex(self, st, call: FlexCall):
-        """(out, empty lse, empty max) from flashwatch's kernel with the layer's modes, or
-        None: the call runs its own kernel, counted as a fallback with the reason."""
-        reason = None
-        if not identity_score(call.score_mod):
-            reason = ("its flex_attention score_mod changes the scores (softcap, ALiBi, a "
-                      "bias), which flashwatch's kernel does not apply")
-        elif call.wants_stats():
-            reason = "the caller reads flex_attention's log-sum-exp or row maxima"
+        """(out, lse, empty max) of the op from flashwatch's kernel with the layer's
+        modes, or None: the call runs its own kernel, counted as a fallback with the
+        reason."""
+        reason, (kind, softcap) = None, score_kind(call.score_mod)
+        if kind == "other":
+            reason = ("its flex_attention score_mod is neither the identity nor a softcap "
+                      "(ALiBi, a bias, control flow), which flashwatch's kernel does not apply")
+        elif call.kernel_options.get("OUTPUT_MAX"):
+            reason = "the caller reads flex_attention's row maxima (max_scores)"
         elif torch.is_grad_enabled() and any(
                 isinstance(b, torch.Tensor) and b.requires_grad for b in call.mask_buffers):
             reason = "its mask_mod reads a tensor that requires grad"
-        out = self._route_masked(st, call.q, call.k, call.v, call.scale, call.dense_mask,
-                                 reason)
-        if out is None:
+        routed = self._route_masked(st, call.q, call.k, call.v, call.scale, call.dense_mask,
+                                    reason, softcap)
+        if routed is None:
             return None
-        empty = out.new_empty(0)
-        return out, empty, empty
+        out, lse = routed
+        if call.kernel_options.get("BACKEND", "AUTO") != "FLASH":
+            lse = lse / math.log(2)  # the op's units: flex_attention multiplies by ln 2
+        return out, lse, out.new_empty(0)
 
     def _route_varlen(self, st, call: VarlenCall, q, k, v):
-        """Never routed: the op always hands its caller the log-sum-exp, which callers
-        read without saying so (torchtitan's attention sinks: an empty one crashed the
-        forward) and flashwatch's kernel does not return with its gradient."""
-        reason = call.unmeasurable or (
-            "varlen_attn's callers may read its log-sum-exp (attention sinks), which "
-            "flashwatch's kernel does not return with a gradient")
-        return self._route_masked(st, q, k, v, call.scale, call.dense_mask, reason)
+        """(packed out, lse [H, T], rng state) as the op returns them, or None."""
+        routed = self._route_masked(st, q, k, v, call.scale, call.dense_mask,
+                                    call.unmeasurable)
+        if routed is None:
+            return None
+        out, lse = routed
+        return (out[0].permute(1, 0, 2), lse[0],
+                torch.zeros(2, dtype=torch.uint64, device=out.device))
 
-    def _route_masked(self, st, q, k, v, scale, dense_mask, reason):
+    def _route_masked(self, st, q, k, v, scale, dense_mask, reason, softcap=None):
+        """(out [B, H, N, Dv], lse [B, H, N] guarded: `_LseGuard`) or None."""
+        if reason is None and st.lse_gradient:
+            reason = ("a gradient reached the log-sum-exp of one of its routed calls "
+                      "(attention sinks?), which flashwatch's kernel does not give one")
         try:
             if reason is None:
                 mask = dense_mask()
                 causal = bool(_is_causal(mask))
                 try:
-                    return self._routed(st, q, k, v, causal, scale, None,
-                                        attn_mask=None if causal else mask)
+                    lse = []
+                    out = self._routed(st, q, k, v, causal, scale, None,
+                                       attn_mask=None if causal else mask, lse_out=lse,
+                                       softcap=softcap)
+                    # a row that sees no key: the kernel's +inf, the ops' -inf
+                    lse = lse[0].masked_fill(lse[0] == math.inf, -math.inf)
+                    return out, _LseGuard.apply(lse, out, self._lse_gradient(st))
                 except Exception as e:
                     from flashwatch.kernels.dispatch import NotInKernel
                     if not isinstance(e, NotInKernel):
@@ -134,6 +181,79 @@ class FlexCapture:
             st.unmitigable = f"routing failed ({type(e).__name__}: {e})"
             st.fallback_calls += 1
         return None
+
+    def _lse_gradient(self, st):
+        """What `_LseGuard` calls when a gradient reaches a routed call's lse: count it,
+        say why, and keep the layer on its own kernel from now on (weak references: the
+        autograd graph must not keep the watcher alive)."""
+        rec_ref, st_ref = weakref.ref(self), weakref.ref(st)
+
+        def on_grad(grad):
+            rec, st = rec_ref(), st_ref()
+            if rec is None or st is None or st.lse_gradient:
+                return
+            st.lse_gradient = True
+            rec.ledger.error(f"routing {st.site.name}", RuntimeError(
+                f"a gradient reached the log-sum-exp of a call of {st.site.name} that "
+                f"flashwatch's kernel ran with head modes (attention sinks?); the kernel "
+                f"has no gradient for it, so this backward left that part of dq, dk out; "
+                f"the layer runs its own kernel from now on"))
+        return on_grad
+
+
+class _LseGuard(torch.autograd.Function):
+    """The routed kernel's log-sum-exp, tied to its output so that a gradient reaching
+    it is seen (`on_grad`), then dropped: the kernel's backward has no term for it."""
+
+    @staticmethod
+    def forward(ctx, lse, out, on_grad):
+        ctx.on_grad = on_grad
+        return lse.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            ctx.on_grad(grad)
+        return None, None, None
+
+
+# Devices where a measured step runs flex compiled (`FlexCapture._run_flex`): CUDA, where
+# the unfused scores would not fit at long sequences. The CPU runs torch's own flex
+# eagerly (its compile costs ≈ 18 s per shape and mod on a 2-core CPU).
+FUSED_DEVICES = ("cuda",)
+_COMPILED: list = []
+
+
+def fused_flex(args, kwargs):
+    """The flex_attention op's call (q, k, v, score_mod, block mask tuple, scale,
+    kernel_options, buffers) through torch.compile(flex_attention), returned as the op
+    returns it: (out, lse, max) in the op's units (log2 unless BACKEND is "FLASH")."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+
+    a = dict(zip(("q", "k", "v", "score_mod", "bm", "scale", "options", "smb", "mmb"),
+                 args, strict=False))
+    a.update(kwargs)
+    t = a["bm"]
+    if len(t) != 17 or a.get("smb") or a.get("mmb"):
+        raise RuntimeError(f"a block mask tuple of {len(t)} fields or lifted buffers: not "
+                           f"the layout torch 2.13 hands a direct call")
+    bm = BlockMask((t[0], t[1]), *t[2:10], BLOCK_SIZE=(t[14], t[15]), mask_mod=t[16],
+                   dq_write_order=t[10], dq_write_order_full=t[11], dq_kv_order=t[12])
+    options = dict(a["options"])
+    lse, mx = options.pop("OUTPUT_LOGSUMEXP", False), options.pop("OUTPUT_MAX", False)
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(flex_attention, fullgraph=True))
+    q, k = a["q"], a["k"]
+    with torch.compiler.set_stance("default"):
+        out, aux = _COMPILED[0](q, k, a["v"], score_mod=a["score_mod"], block_mask=bm,
+                                scale=a["scale"], enable_gqa=q.shape[1] != k.shape[1],
+                                kernel_options=options,
+                                return_aux=AuxRequest(lse=bool(lse), max_scores=bool(mx)))
+    log2 = options.get("BACKEND", "AUTO") != "FLASH"
+    units = (lambda x: x / math.log(2)) if log2 else (lambda x: x)
+    empty = out.new_empty(0)
+    return (out, units(aux.lse) if aux.lse is not None else empty,
+            units(aux.max_scores) if aux.max_scores is not None else empty)
 
 
 def _is_causal(mask) -> torch.Tensor:

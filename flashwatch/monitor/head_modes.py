@@ -150,8 +150,9 @@ class HeadModes:
                 why = (f"its attention calls were not measured: {st.buf.unmeasured}"
                        if st.buf.unmeasured is not None else
                        "without an attention call flashwatch sees (F.scaled_dot_product_"
-                       "attention or flashwatch.attention); make it call SDPA (Hugging "
-                       "Face: attn_implementation='sdpa') or leave it out of `sites`")
+                       "attention, flex_attention, varlen_attn or flashwatch.attention); "
+                       "make it call one (Hugging Face: attn_implementation='sdpa' or "
+                       "'flex_attention') or leave it out of `sites`")
                 self.ledger.error(f"attention of {st.site.name}", RuntimeError(
                     f"{st.site.name} ran {st.buf.forwards} forward(s) in a monitored step "
                     f"and measured nothing: its ties, max logit and δ error are NaN and "

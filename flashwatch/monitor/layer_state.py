@@ -129,6 +129,10 @@ class LayerState:
     q_check: object = None  # layouts.QCheck of its W^Q slice, until it passed or failed
     wq_refused: str | None = None  # why its W^Q slice is not the layer's Q (QCheck)
     silent_reported: bool = False  # "no attention call seen" was reported
+    fused_failed: bool = False  # its flex call failed compiled on a measured step: it runs
+    # the op eagerly there (flashwatch/monitor/flex_capture.py FlexCapture._run_flex)
+    lse_gradient: bool = False  # a gradient reached the log-sum-exp of a routed flex or
+    # varlen call (flashwatch/monitor/flex_capture.py): never routed again
     device_cache: dict = field(default_factory=dict)  # device -> DeviceConstants
     buf: StepBuffers | None = None
     compiled: CompileFacts = field(default_factory=CompileFacts)
@@ -171,8 +175,8 @@ class LayerState:
             return self.unmitigable
         if self.module_calls > 0 and self.routed_calls == 0:
             return (f"its module ran {self.module_calls} time(s) with head modes set but made "
-                    f"no attention call flashwatch could route (neither "
-                    f"F.scaled_dot_product_attention nor flashwatch.attention)")
+                    f"no attention call flashwatch could route (F.scaled_dot_product_"
+                    f"attention, flex_attention, varlen_attn or flashwatch.attention)")
         if self.module_calls == 0 and self.routed_calls == 0:
             return self.unmitigable  # not called since: the last thing known
         return None

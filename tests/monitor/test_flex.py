@@ -4,17 +4,20 @@ no vmap): every head's max logit within 1e-4, ties exact, masked and padded rows
 
 torch 2.13 runs flex_attention's forward on the CPU (its math implementation), not its
 backward, and has no CPU kernel for varlen. The backward signals and varlen are tested
-through stand-ins registered here for the ops flashwatch intercepts: torch's own math
-flex implementation as the flex op's autograd kernel (differentiable), and a per-document
-FP32 attention as varlen's CPU kernel. benchmarks/gpu_check.py runs the real kernels.
+through stand-ins (tests/attention_standins.py) for the ops flashwatch intercepts, each
+for its test only: torch's own math flex implementation as the flex op's autograd kernel
+(differentiable), and a per-document FP32 attention as varlen's CPU kernels.
+benchmarks/gpu_check.py runs the real kernels.
 """
 
 from __future__ import annotations
 
 import math
 
+import attention_standins
 import pytest
 import torch
+from attention_standins import band
 from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -92,9 +95,8 @@ class Model(nn.Module):
                 layer.q_proj.weight.mul_(4.0)
 
     def forward(self, x):
+        from _helpers import sac_policy
         from torch.utils.checkpoint import checkpoint
-
-        from tests._helpers import sac_policy
 
         for layer in self.layers:
             if self.checkpoint is None:
@@ -217,27 +219,11 @@ def test_compiled_model_measured_on_monitored_steps():
 # ------------------------------------------------------------------ backward (stand-in)
 
 @pytest.fixture
-def differentiable_flex(monkeypatch):
-    """torch's math flex implementation as the flex op's autograd kernel: it records
-    autograd, so a backward runs on the CPU (torch refuses flex backward there)."""
-    import importlib
-
-    from torch._C import DispatchKey
-
-    hop_mod = importlib.import_module("torch._higher_order_ops.flex_attention")
-
-    hop = hop_mod.flex_attention
-
-    def autograd_kernel(*args):
-        return hop_mod.math_attention(*args)
-
-    monkeypatch.setitem(hop.py_kernels, DispatchKey.Autograd, autograd_kernel)
-    # flex_attention's own refusal of CPU inputs that require grad
-    monkeypatch.setattr("torch.nn.attention.flex_attention._validate_device",
-                        lambda q, k, v: None)
-    hop._dispatch_cache.clear()
-    yield
-    hop._dispatch_cache.clear()
+def differentiable_flex():
+    """torch's math flex implementation as the flex op's autograd kernel
+    (tests/attention_standins.py): a backward runs on the CPU."""
+    with attention_standins.differentiable_flex():
+        yield
 
 
 def _delta_truth(model, name, doc=None):
@@ -315,8 +301,10 @@ def test_identity_score_flex_is_routed_with_its_mask(differentiable_flex):
 
 
 def test_score_mod_flex_is_unmitigable_with_the_reason():
+    """ALiBi: a position bias flashwatch's kernel cannot apply (softcap it can:
+    tests/monitor/test_flex_capture.py)."""
     model = Model()
-    _set(model, "softcap")
+    _set(model, "alibi")
     with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w:
         w.set_head_modes("layers.1", [fw.Mode.FP32_O] * H)
         with torch.no_grad():
@@ -325,7 +313,7 @@ def test_score_mod_flex_is_unmitigable_with_the_reason():
     assert "score_mod" in report.unmitigable["layers.1"]
     # hand-set modes that did not run are a monitor error (head_modes.judge), and the
     # layer is still measured
-    _check(report, _truth(model, "softcap"), errors=1)
+    _check(report, _truth(model, "alibi"), errors=1)
 
 
 def test_qk_clip_acts_on_a_flex_layer():
@@ -360,78 +348,12 @@ def test_qk_clip_acts_on_a_flex_layer():
 DOCS = [13, 20, 7]  # packed document lengths, T = 40
 
 
-def _varlen_fp32(q, k, v, cu_q, cu_k, is_causal, scale, window_size):
-    """Attention per document in FP32 (P rounded to the input dtype before P·V, as a
-    kernel does); q [T, H, D], k, v [T, H_kv, D]. Differentiable."""
-    rep = q.shape[1] // k.shape[1]
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    outs = []
-    for i in range(len(cu_q) - 1):
-        a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        qi = q[a:b].float().transpose(0, 1)
-        ki = k[c:d].float().repeat_interleave(rep, 1).transpose(0, 1)
-        vi = v[c:d].repeat_interleave(rep, 1).transpose(0, 1)
-        s = qi @ ki.transpose(-1, -2) * scale
-        s = s.masked_fill(~_band(b - a, d - c, is_causal, window_size), -math.inf)
-        p = torch.softmax(s, -1).to(v.dtype)
-        outs.append((p.float() @ vi.float()).transpose(0, 1))
-    return torch.cat(outs).to(q.dtype)
-
-
-def _band(nq, nk, causal, window):
-    """Keys each query of a document sees: flash attention's varlen convention, queries
-    and keys aligned at the document's end."""
-    i = torch.arange(nq)[:, None] + (nk - nq)
-    j = torch.arange(nk)[None, :]
-    left, right = (window or [-1, -1])[0], 0 if causal else (window or [-1, -1])[1]
-    ok = torch.ones(nq, nk, dtype=torch.bool)
-    if right >= 0:
-        ok &= j <= i + right
-    if left >= 0:
-        ok &= j >= i - left
-    return ok
-
-
 @pytest.fixture
 def cpu_varlen():
-    """CPU kernels for torch_attn::_varlen_attn and its backward (torch has none)."""
-    import torch.nn.attention.varlen  # noqa: F401  (defines the ops)
-
-    lib = torch.library.Library("torch_attn", "IMPL")
-
-    def forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, scale=None,
-                window_size=None, enable_gqa=False, seqused_k=None, block_table=None,
-                num_splits=None):
-        cu_k = cu_q if cu_k is None else cu_k
-        with torch.no_grad():
-            out = _varlen_fp32(q, k, v, cu_q, cu_k, is_causal, scale, window_size)
-        lse = torch.zeros(q.shape[1], q.shape[0])
-        return out, lse, torch.zeros(2, dtype=torch.uint64)
-
-    def backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng,
-                 scale=None, window_size=None):
-        # below autograd: the gradients of attention per document, by hand, in FP32
-        rep = q.shape[1] // k.shape[1]
-        scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        dq, dk, dv = (torch.zeros(t.shape) for t in (q, k, v))
-        for i in range(len(cu_q) - 1):
-            a, b = int(cu_q[i]), int(cu_q[i + 1])
-            qi, go = q[a:b].float().transpose(0, 1), grad[a:b].float().transpose(0, 1)
-            ki, vi = (t[a:b].float().repeat_interleave(rep, 1).transpose(0, 1) for t in (k, v))
-            s = (qi @ ki.transpose(-1, -2) * scale).masked_fill(
-                ~_band(b - a, b - a, is_causal, window_size), -math.inf)
-            p = torch.softmax(s, -1)
-            dp = go @ vi.transpose(-1, -2)
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale
-            dq[a:b] = (ds @ ki).transpose(0, 1)
-            dk[a:b] = (ds.transpose(-1, -2) @ qi).transpose(0, 1).unflatten(1, (-1, rep)).sum(2)
-            dv[a:b] = (p.transpose(-1, -2) @ go).transpose(0, 1).unflatten(1, (-1, rep)).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-    lib.impl("_varlen_attn", forward, "CPU")
-    lib.impl("_varlen_attn_backward", backward, "CPU")
-    yield
-    lib._destroy()
+    """CPU kernels for torch_attn::_varlen_attn and its backward (torch has none):
+    attention per document in FP32 (tests/attention_standins.py)."""
+    with attention_standins.cpu_varlen() as seen:
+        yield seen
 
 
 class VarlenAttention(nn.Module):
@@ -472,7 +394,7 @@ def _varlen_truth(layer):
         ki = k[a:a + n].double().repeat_interleave(rep, 1).transpose(0, 1)
         vi = v[a:a + n].double().repeat_interleave(rep, 1).transpose(0, 1)
         s = (qi @ ki.transpose(-1, -2) * scale).masked_fill(
-            ~_band(n, n, layer.window == (-1, 0), list(layer.window)), -math.inf)
+            ~band(n, n, layer.window), -math.inf)
         top = s.topk(min(2, n), -1).values
         mx = torch.maximum(mx, top[..., 0].amax(-1))
         if n > 1:
@@ -516,22 +438,21 @@ def test_varlen_measured_per_document(cpu_varlen, window):
             assert r.delta_error_rows == sum(DOCS)
 
 
-def test_varlen_is_unmitigable_with_the_reason(cpu_varlen):
-    """FP32_O on a varlen layer: the op's log-sum-exp may be read by its caller
-    (attention sinks), which flashwatch's kernel does not give with a gradient: the call
-    runs its own kernel, the layer is reported unmitigable, and it is still measured."""
-    torch.manual_seed(0)
-    model = nn.Sequential(VarlenAttention((-1, 0)))
-    x = torch.randn(1, sum(DOCS), D_MODEL)
-    with torch.no_grad():
-        plain = model(x)
-    with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w:
-        w.set_head_modes("0", [fw.Mode.FP32_O] * H)
-        with torch.no_grad():
-            routed = model(x)
-        assert w._states[0].routed_calls == 0 and w._states[0].fallback_calls == 1
-        report = w.step()
-    assert "log-sum-exp" in report.unmitigable["0"]
-    assert report.monitor_errors_total == 1  # hand-set modes that did not run
-    assert torch.equal(routed, plain)
-    assert all(math.isfinite(r.attention_max_logit) for r in report.heads)
+def test_the_stand_ins_leave_torch_as_it_was():
+    """After each stand-in, torch refuses a CPU flex backward again and has no varlen
+    kernel on the CPU (the stand-ins' own exit checks say the same of what they set)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q = torch.randn(1, H, N, D_MODEL // H, requires_grad=True)
+    cu = torch.tensor([0, N], dtype=torch.int32)
+    packed = torch.randn(N, H, D_MODEL // H).bfloat16()
+    with attention_standins.differentiable_flex():
+        flex_attention(q, q, q).sum().backward()
+        assert q.grad is not None
+    with attention_standins.cpu_varlen() as seen:
+        varlen_attn(packed, packed, packed, cu, cu, N, N)
+        assert len(seen) == 1
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        flex_attention(q, q, q)
+    with pytest.raises(NotImplementedError):
+        varlen_attn(packed, packed, packed, cu, cu, N, N)

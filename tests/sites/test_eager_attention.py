@@ -44,8 +44,9 @@ def test_gemma2_softcapping_is_refused_with_the_fw_attention_fix():
 
 
 def test_sdpa_and_plain_modules_are_not_refused():
-    model, _ = hf_tiny("llama")
-    assert all(no_sdpa_reason(s.module) is None for s in find_sites(model))
+    for arch in ("llama", "llama_flex"):  # SDPA, and torch's flex_attention
+        model, _ = hf_tiny(arch)
+        assert all(no_sdpa_reason(s.module) is None for s in find_sites(model))
     torch.manual_seed(0)
     assert all(no_sdpa_reason(s.module) is None for s in find_sites(TinyLlama()))
     # a watched module is a subclass of its class: still refused by class name

@@ -36,3 +36,11 @@ def gloo_world(tmp_path):
                             world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def titan(torchtitan_on_cpu, gloo_world, monkeypatch):
+    """torchtitan on CPU in a process group of one (its init_distributed keeps it), as
+    torchrun would launch it."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
+        monkeypatch.setenv(key, value)

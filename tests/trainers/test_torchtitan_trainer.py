@@ -76,17 +76,23 @@ class RandomTokens(BaseDataLoader):
         self.n = state_dict["n"]
 
 
-def titan_config(folder, *, steps=3, dtype="float32", validate=False, **parallelism):
+def titan_config(folder, *, steps=3, dtype="float32", validate=False, backend="sdpa",
+                 **parallelism):
     """torchtitan's own llama3_debugmodel Trainer.Config, with 2 of its layers on its SDPA
-    backend (its default flex backend cannot run on CPU), 2 × 32 tokens a step, its
-    SelectiveAC, its checkpointer saving every 2 steps, TensorBoard on, log_freq 1."""
+    backend (its default flex backend has no backward on CPU; backend "flex" or "varlen":
+    the registry's model with that backend, test_torchtitan_trainer_flex.py), 2 × 32
+    tokens a step, its SelectiveAC, its checkpointer saving every 2 steps, TensorBoard
+    on, log_freq 1."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     cfg = llama3_debugmodel()
+    if backend != "sdpa":
+        cfg.model_spec = model_registry("debugmodel", attn_backend=backend)
     model = cfg.model_spec.model
     model.layers = model.layers[:2]
-    for layer in model.layers:
+    for layer in model.layers if backend == "sdpa" else ():
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     cfg.tokenizer, cfg.dataloader = Tokens.Config(), RandomTokens.Config()
     cfg.training.seq_len, cfg.training.local_batch_size = 32, 2
@@ -148,14 +154,6 @@ def _site_row(site):
 
 
 MODEL = "llama3_debugmodel, 2 layers, SDPA backend"
-
-
-@pytest.fixture
-def titan(torchtitan_on_cpu, gloo_world, monkeypatch):
-    """torchtitan on CPU in a process group of one (its init_distributed keeps it), as
-    torchrun would launch it."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1").items():
-        monkeypatch.setenv(key, value)
 
 
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:

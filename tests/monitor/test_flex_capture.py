@@ -1,0 +1,193 @@
+"""Head modes on FlexAttention and varlen calls (flashwatch/monitor/flex_capture.py):
+which calls flashwatch's kernel runs, the log-sum-exp it hands back in each op's units,
+and what happens when a gradient reaches that log-sum-exp (attention sinks)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from attention_standins import cpu_varlen, differentiable_flex
+from torch import nn
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+import flashwatch as fw
+
+B, N, D, H = 2, 24, 32, 2
+
+
+def _doc_mask():
+    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 17 + [1] * 7])
+    return create_block_mask(lambda b, h, q, k: (q >= k) & (doc[b, q] == doc[b, k]),
+                             B, None, N, N, device="cpu")
+
+
+class Flex(nn.Module):
+    """One attention layer over flex_attention; `sinks` adds the log-sum-exp to the
+    output as gpt-oss's attention sinks do (so a gradient reaches it)."""
+
+    def __init__(self, sinks=False, mask=None, lse=True, score_mod=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.num_heads, self.sinks, self.want_lse, self.score_mod = H, sinks, lse, score_mod
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.mask = _doc_mask() if mask is None else mask
+
+    def forward(self, x):
+        q, k, v = (p(x).view(B, N, H, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        o, aux = flex_attention(q, k, v, block_mask=self.mask, score_mod=self.score_mod,
+                                return_aux=AuxRequest(lse=self.want_lse))
+        self.lse = aux.lse.detach() if self.want_lse else None
+        if self.sinks:
+            o = o * torch.sigmoid(aux.lse)[..., None]
+        return o.transpose(1, 2).reshape(B, N, D)
+
+
+def _run(model, modes, grad=False, steps=1, x=None):
+    """`steps` monitored steps of `model` (its layer "0" with FP32_O on every head if
+    `modes`): the last output, layer 0's lse, the reports, routed calls per step."""
+    if x is None:
+        x = torch.randn(B, N, D, generator=torch.Generator().manual_seed(1))
+    with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w:
+        if modes:
+            w.set_head_modes("0", [fw.Mode.FP32_O] * H)
+        reports, routed = [], []
+        for _ in range(steps):
+            with torch.set_grad_enabled(grad):
+                y = model(x)
+                if grad:
+                    y.square().mean().backward()
+            routed.append(w._states[0].routed_calls)
+            reports.append(w.step())
+    return y.detach(), model[0].lse, reports, routed
+
+
+def test_flex_routed_output_and_lse_match_flex():
+    """A document-masked flex call with the identity score mod runs flashwatch's kernel;
+    its output and the log-sum-exp the caller asked for equal flex's own."""
+    plain, lse, _, _ = _run(nn.Sequential(Flex()), modes=False)
+    routed, lse_r, reports, routed_calls = _run(nn.Sequential(Flex()), modes=True)
+    assert routed_calls == [1] and reports[0].unmitigable == {}
+    assert (routed - plain).abs().max() < 1e-5
+    assert (lse_r - lse).abs().max() < 1e-5
+
+
+def test_a_softcap_score_mod_is_routed_as_the_kernel_s_softcap():
+    """c·tanh(s / c) in either order (Gemma2's closure writes c first) runs flashwatch's
+    kernel with softcap=c; a bias does not (reported unmitigable)."""
+    for mod in (lambda s, b, h, q, k: torch.tanh(s / 0.5) * 0.5,
+                lambda s, b, h, q, k: 0.5 * torch.tanh(s / 0.5)):
+        plain, lse, _, _ = _run(nn.Sequential(Flex(score_mod=mod)), modes=False)
+        routed, lse_r, reports, calls = _run(nn.Sequential(Flex(score_mod=mod)), modes=True)
+        assert calls == [1] and reports[0].unmitigable == {}
+        assert (routed - plain).abs().max() < 1e-5 and (lse_r - lse).abs().max() < 1e-5
+    biased = nn.Sequential(Flex(score_mod=lambda s, b, h, q, k: torch.tanh(s / 0.5) + q * 0.1))
+    _, _, reports, calls = _run(biased, modes=True)
+    assert calls == [0] and "neither the identity nor a softcap" in reports[0].unmitigable["0"]
+
+
+def test_a_mask_that_differs_by_head_is_routed_per_head():
+    """Head 0 causal, head 1 a 4-key sliding window: the dense mask keeps both."""
+    mask = create_block_mask(lambda b, h, q, k: (q >= k) & ((h == 0) | (q - k < 4)),
+                             None, H, N, N, device="cpu")
+    plain, lse, _, _ = _run(nn.Sequential(Flex(mask=mask)), modes=False)
+    routed, lse_r, reports, calls = _run(nn.Sequential(Flex(mask=mask)), modes=True)
+    assert calls == [1] and reports[0].unmitigable == {}
+    assert (routed - plain).abs().max() < 1e-5 and (lse_r - lse).abs().max() < 1e-5
+
+
+def test_a_gradient_through_the_lse_is_counted_and_stops_routing():
+    """Attention sinks read the lse with a gradient: the first backward counts a monitor
+    error naming it, and the layer runs flex's own kernel from the next call on, listed
+    unmitigable with the reason."""
+    with differentiable_flex():
+        _, _, reports, routed = _run(nn.Sequential(Flex(sinks=True)), modes=True, grad=True,
+                                     steps=2)
+    assert routed == [1, 0]
+    assert reports[0].monitor_errors_total == 1
+    assert "log-sum-exp" in reports[1].unmitigable["0"]
+
+
+def test_no_error_when_the_lse_gets_no_gradient():
+    """Training through a routed call whose lse is only read, not differentiated: no
+    error, the modes run every step."""
+    with differentiable_flex():
+        _, _, reports, routed = _run(nn.Sequential(Flex()), modes=True, grad=True, steps=2)
+    assert routed == [1, 1]
+    assert reports[-1].monitor_errors_total == 0 and reports[-1].unmitigable == {}
+
+
+class Varlen(nn.Module):
+    def __init__(self, sinks=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.num_heads, self.sinks = H, sinks
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(D, D, bias=False) for _ in range(3))
+        self.cu = torch.tensor([0, 9, 30, 48], dtype=torch.int32)
+
+    def forward(self, x):  # x [1, T, D]
+        from torch.nn.attention.varlen import AuxRequest as VarlenAux
+        from torch.nn.attention.varlen import varlen_attn
+
+        t = x.shape[1]
+        q, k, v = (p(x).view(t, H, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        o, lse = varlen_attn(q, k, v, self.cu, self.cu, 21, 21, window_size=(-1, 0),
+                             return_aux=VarlenAux(lse=True))
+        self.lse = lse.detach()
+        if self.sinks:
+            o = o * torch.sigmoid(lse).transpose(0, 1)[..., None]
+        return o.reshape(1, t, D)
+
+
+def _run_varlen(model, modes, grad=False, steps=1):
+    with cpu_varlen():
+        return _run(model, modes, grad, steps,
+                    x=torch.randn(1, 48, D, generator=torch.Generator().manual_seed(1)))
+
+
+def test_varlen_routed_output_and_lse_match_the_kernel():
+    """The packed documents through flashwatch's kernel as one block-causal mask: the
+    output and the [H, T] natural-log lse equal the per-document kernel's."""
+    plain, lse, _, _ = _run_varlen(nn.Sequential(Varlen()), modes=False)
+    routed, lse_r, reports, calls = _run_varlen(nn.Sequential(Varlen()), modes=True)
+    assert calls == [1] and reports[0].unmitigable == {}
+    assert (routed - plain).abs().max() < 1e-5
+    assert lse_r.shape == lse.shape == (H, 48) and (lse_r - lse).abs().max() < 1e-5
+
+
+def test_varlen_sinks_gradient_is_counted_and_stops_routing():
+    _, _, reports, routed = _run_varlen(nn.Sequential(Varlen(sinks=True)), modes=True,
+                                        grad=True, steps=2)
+    assert routed == [1, 0]
+    assert reports[0].monitor_errors_total == 1
+    assert "log-sum-exp" in reports[1].unmitigable["0"]
+    assert all(math.isfinite(h.attention_max_logit) for h in reports[1].heads)
+
+
+def test_measured_steps_run_a_compiled_flex_compiled(monkeypatch):
+    """On a measured step the force_eager stance makes a model's compiled flex_attention
+    call the op eagerly (torch's unfused math: [B, H, N, N] scores); on FUSED_DEVICES
+    (CUDA; here the CPU, patched) flashwatch runs that call through
+    torch.compile(flex_attention) instead: the output the caller gets is flex's own, and
+    the layer is measured. Inductor's CPU flex: one compile, ≈ 20 s, and no lse there
+    (the lse's units are checked on a GPU: benchmarks/gpu_flex.py's max_scores)."""
+    from flashwatch.monitor import flex_capture
+
+    monkeypatch.setattr(flex_capture, "FUSED_DEVICES", ("cpu",))
+    calls = []
+    fused = flex_capture.fused_flex
+    monkeypatch.setattr(flex_capture, "fused_flex",
+                        lambda args, kwargs: calls.append(1) or fused(args, kwargs))
+    model = nn.Sequential(Flex(lse=False))
+    x = torch.randn(B, N, D, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w, torch.no_grad():
+        y = compiled(x)
+        assert calls == [1] and not w._states[0].fused_failed  # it ran compiled
+        report = w.step()
+    assert (y - plain).abs().max() < 1e-5
+    assert report.monitor_errors_total == 0
+    assert all(math.isfinite(h.attention_max_logit) for h in report.heads)
