@@ -489,7 +489,8 @@ def plan(stage: str, cfg: dict, dry: bool, warm_first: bool = True) -> list:
             for m, b in (("gpt2", (8, 1024)), ("smollm", (4, 1024)))],
         "t": [(f, lambda f=f: native_tests(f, dry)) for f in NATIVE_TESTS],
         "f": [(name, lambda fn=fn: fn(cfg["device"], dry))
-              for name, fn in (("flex", gpu_flex.flex), ("varlen", gpu_flex.varlen))],
+              for name, fn in (("flex", gpu_flex.flex), ("flex_routed", gpu_flex.flex_routed),
+                               ("varlen", gpu_flex.varlen))],
     }
     todo = "abctf" if stage == "all" else stage
     warmer = checks["a"].pop(0)

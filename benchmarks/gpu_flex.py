@@ -112,14 +112,67 @@ def flex(device: str, dry: bool) -> dict:
         else:
             model(x).float().square().mean().backward()
         report = w.step()
+        fused_failed = any(st.fused_failed for st in w._states)
     out = _compare(report, model, truth)
-    if aux:  # flex's own row maxima (log2 units undone by flex), real rows only
+    # the measured step ran the model's compiled flex through flashwatch's own compiled
+    # call (flex_capture._run_flex), not torch's unfused math: on CUDA it must not fail
+    out["fused_failed"] = fused_failed
+    out["ok"] = out["ok"] and (dry or not fused_failed)
+    if aux:  # flex's own row maxima (the op's log2 units undone by flex), real rows only
         kernel = max(float(m.masked_fill(~torch.isfinite(m), -math.inf).max())
                      for m in aux["max_scores"][-2:])
         ours = max(r.attention_max_logit for r in report.heads)
         out["flex_max_scores_vs_ours_rel"] = abs(kernel - ours) / abs(ours)
+        out["ok"] = out["ok"] and out["flex_max_scores_vs_ours_rel"] < 1e-3
     out["backward"] = not dry
     return out
+
+
+def flex_routed(device: str, dry: bool) -> dict:
+    """FP32_O on every head of a compiled flex model (document mask + softcap score_mod):
+    flashwatch's kernel (Triton on CUDA) runs each call with the mask made dense and the
+    softcap, forward and backward; its output and W^Q gradient against the unrouted
+    model's (BF16: within 2e-2 of the largest), 0 errors, nothing unmitigable."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, N = (2, 96) if dry else (4, 1024)
+    doc = (torch.arange(N, device=device) // (N // 3)).expand(B, N).clone()
+
+    def mask_mod(b, h, q, k):
+        return (q >= k) & (doc[b, q] == doc[b, k])
+
+    bm = create_block_mask(mask_mod, B, None, N, N, device=device)
+    compiled = flex_attention if dry else torch.compile(flex_attention)
+
+    def call(q, k, v):
+        return compiled(q, k, v, score_mod=lambda s, b, h, q_, k_: 20.0 * torch.tanh(s / 20.0),
+                        block_mask=bm)
+
+    x = torch.randn(B, N, D_MODEL, device=device, dtype=torch.bfloat16)
+    outs = []
+    for modes in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Attn(call), _Attn(call)).to(device, torch.bfloat16)
+        with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w:
+            if modes:
+                for name in ("0", "1"):
+                    w.set_head_modes(name, [fw.Mode.FP32_O] * H)
+            with torch.set_grad_enabled(not dry):
+                y = model(x)
+                if not dry:
+                    y.float().square().mean().backward()
+            routed = sum(st.routed_calls for st in w._states)
+            report = w.step()
+        grad = model[0].q_proj.weight.grad
+        outs.append((y.detach().float(), None if grad is None else grad.float(), routed,
+                     report))
+    (y0, g0, _, _), (y1, g1, routed, report) = outs
+    out_err = float((y1 - y0).abs().max() / y0.abs().max())
+    grad_err = None if g0 is None else float((g1 - g0).abs().max() / g0.abs().max())
+    return {"routed_calls": routed, "out_rel_err": out_err, "grad_rel_err": grad_err,
+            "unmitigable": report.unmitigable, "monitor_errors": report.monitor_errors_total,
+            "ok": routed == 2 and out_err < 2e-2 and (grad_err is None or grad_err < 2e-2)
+            and not report.unmitigable and report.monitor_errors_total == 0}
 
 
 def varlen(device: str, dry: bool) -> dict:

@@ -388,7 +388,8 @@ class Watcher:
         for st in self._states:
             st.compiled.traced = st.traceable()
         # a routed layer's flex or varlen calls reach flashwatch's kernel only eagerly
-        flex_routed = any(st.routed and st.compiled.flex_seen for st in self._states)
+        flex_routed = any(st.routed and st.compiled.flex_seen and st.flex_refused is None
+                          and not st.lse_gradient for st in self._states)
         self._attachment.force_eager(flex_routed or (
             self._cadence.measuring and not all(st.compiled.traced for st in self._states)))
 

@@ -15,7 +15,7 @@ CHECKS = {"a": ("warm",) + GRID + ("tf32_probe",), "b": GRID + ("tuned_configs",
           "c": ("eager", "compiled", "reduce_overhead", "real_model_gpt2", "real_model_smollm"),
           "t": tuple(p.name for p in sorted((ROOT / "tests" / "kernels").glob("test_triton_*.py"))
                      if p.name != "test_triton_tuning.py"),
-          "f": ("flex", "varlen")}
+          "f": ("flex", "flex_routed", "varlen")}
 
 
 def run(tmp_path, *args, env=None, timeout=600):
@@ -69,6 +69,8 @@ def test_stage_writes_every_sub_check(tmp_path, stage):
         flex = got["flex"]["result"]
         assert flex["ok"] and flex["max_logit_rel_err"] < 1e-4 and flex["tie_count_errors"] == 0
         assert "skipped" in got["varlen"]["result"]
+        routed = got["flex_routed"]["result"]  # the reference kernel on the CPU, forward
+        assert routed["ok"] and routed["routed_calls"] == 2 and routed["out_rel_err"] < 1e-2
     if stage == "t":  # collected in the interpreter; on the GPU they run compiled
         assert all(" collected" in got[f]["result"]["summary"] for f in CHECKS["t"])
     if stage == "c":

@@ -139,6 +139,7 @@ class Attachment:
             # imports Triton where it is installed (torch/_dynamo/utils.py), which made
             # `import flashwatch` 3.7 s instead of torch's own 1.8 s on a CPU machine.
             Attachment.run = torch._dynamo.disable(Attachment._run)
+        _flex.load()  # torch's flex and varlen ops, for the interceptor (not at import)
 
     # ------------------------------------------------------------------------ forward
 

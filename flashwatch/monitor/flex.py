@@ -51,8 +51,18 @@ def _varlen_ops() -> tuple:
     return (packet, packet.default)
 
 
-FLEX_HOP = _flex_hop()
-VARLEN_OPS = _varlen_ops()
+# Looked up at the first watch (`load`), not at import: importing torch's flex op imports
+# torch._dynamo, and with it Triton where installed, which `import flashwatch` must not.
+FLEX_HOP = None
+VARLEN_OPS: tuple = ()
+
+
+def load() -> None:
+    global FLEX_HOP, VARLEN_OPS
+    if FLEX_HOP is None:
+        FLEX_HOP = _flex_hop()
+    if not VARLEN_OPS:
+        VARLEN_OPS = _varlen_ops()
 
 
 def is_flex(func) -> bool:
@@ -77,6 +87,7 @@ class FlexCall:
     k: torch.Tensor  # [B, H_kv, Nk, D]
     v: torch.Tensor
     score_mod: Callable
+    block: tuple  # BlockMask.as_tuple()
     mask_mod: Callable
     scale: float
     kernel_options: dict
@@ -87,10 +98,26 @@ class FlexCall:
     def of(args, kwargs) -> FlexCall:
         a = dict(zip(FLEX_ARGS, args, strict=False))
         a.update(kwargs)
-        return FlexCall(a["query"], a["key"], a["value"], a["score_mod"],
+        return FlexCall(a["query"], a["key"], a["value"], a["score_mod"], a["block_mask"],
                         a["block_mask"][-1], float(a["scale"]), a.get("kernel_options") or {},
                         tuple(a.get("score_mod_other_buffers", ())),
                         tuple(a.get("mask_mod_other_buffers", ())))
+
+    def hidden_blocks(self) -> str | None:
+        """Why the probe cannot read this call's mask, or None: a BlockMask without a
+        mask_mod (BlockMask.from_kv_blocks) that leaves key blocks out, which the kernel
+        skips and a mask_mod cannot tell (one host sync, for such masks only)."""
+        from torch.nn.attention.flex_attention import noop_mask
+
+        t = self.block
+        if self.mask_mod is not noop_mask or len(t) != 17 or t[3] is None:
+            return None
+        seen = t[2] + (t[4] if t[4] is not None else 0)  # partial + full key blocks
+        if bool((seen < t[3].shape[-1]).any()):
+            return ("its BlockMask leaves key blocks out without a mask_mod "
+                    "(BlockMask.from_kv_blocks): the blocks the kernel skips are not "
+                    "readable from the call; give the BlockMask the mask_mod it encodes")
+        return None
 
     def score_fn(self):
         """The probe's per-chunk score function (module docstring)."""

@@ -1,15 +1,18 @@
 """What a watched layer's FlexAttention and varlen calls record: the Recorder's half for
 the two attention functions flashwatch/monitor/flex.py reads (capture.py has SDPA's).
 
-A call is measured where it runs with real tensors: eager flex_attention compiles the op
-into a graph of torch's "eager" backend, so the watched module's TorchFunctionMode sees
-the op twice, once while Dynamo traces it (passed through untouched: nothing of ours is
-traced into the graph) and once when that graph runs it, which is measured. On measured
-steps every compiled function runs eagerly (Dynamo's force_eager stance, attach.py), so a
-model's torch.compile'd flex_attention (Hugging Face's, torchtitan's) is measured the same
-way; layers that make such calls never take the traced probe (layer_state.traceable).
-There the op's call would run torch's unfused flex, [B, H, N, N] FP32 scores per layer;
-on CUDA flashwatch runs it through torch.compile(flex_attention) instead (`_run_flex`).
+A call is measured where it runs with real tensors. Eager flex_attention compiles the op
+into a graph of torch's "eager" backend, so the watched module's TorchFunctionMode sees the
+op twice: while Dynamo traces it (passed through untouched: nothing of ours is traced into
+the graph) and when that graph runs it (score and mask mods as traced graphs, captured
+tensors lifted into buffers), which is measured. On measured steps every compiled
+function runs eagerly (Dynamo's force_eager stance, attach.py), and so do the steps of a
+layer whose modes route its flex calls: the op is then called directly (the mods as the
+model wrote them) and measured; so is a model's torch.compile'd flex_attention (Hugging
+Face's, torchtitan's). Layers that make such calls never take the traced probe
+(layer_state.traceable). A direct call would run torch's unfused flex, [B, H, N, N] FP32
+scores per layer; on CUDA flashwatch runs it through torch.compile(flex_attention)
+instead (`_run_flex`).
 
 Routing (head modes): flashwatch's kernel runs a call whose score mod is the identity or a
 softcap (flex.score_kind), its mask_mod as a dense boolean mask (causal, document, sliding
@@ -48,6 +51,10 @@ class FlexCapture:
                 call = FlexCall.of(args, kwargs)
                 call.q, call.k, call.v = traced.autocast_qkv(call.q, call.k, call.v)
                 ours = self._layer_heads(st, call.q)
+                why = call.hidden_blocks() if ours and self.cadence.measuring else None
+                if why is not None:
+                    st.buf.unmeasured, ours = why, False
+                    self.warn_once(st, "blocks", f"flashwatch: {st.site.name}: {why}")
         except Exception as e:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
@@ -56,6 +63,7 @@ class FlexCapture:
         routed = result is not None
         if result is None:
             result = self._run_flex(st, func, args, kwargs)
+            self._watch_lse(st, result[1])
         if ours and self.cadence.measuring:
             self._measure(st, call.q, call.k, call.v, result[0], call, routed)
         return result
@@ -77,10 +85,9 @@ class FlexCapture:
             return fused_flex(args, kwargs)
         except Exception as e:
             st.fused_failed = True
-            why = f"{type(e).__name__}: {e}"
-            self.warn_once(st, "fused", f"flashwatch: {st.site.name}: running its "
-                           f"flex_attention compiled on measured steps failed ({why}); "
-                           f"torch's unfused flex runs there instead")
+            self.ledger.error(f"compiled flex_attention {st.site.name}", RuntimeError(
+                f"running its flex_attention call through torch.compile failed "
+                f"({type(e).__name__}: {e}); torch's unfused flex runs there instead"))
             return func(*args, **kwargs)
 
     def on_varlen(self, st: LayerState, func, args, kwargs):
@@ -89,10 +96,12 @@ class FlexCapture:
         try:
             with outside_selective_checkpoint():
                 call = VarlenCall.of(args, kwargs)
-                q, k, v = call.views()
-                q, k, v = traced.autocast_qkv(q, k, v)
-                ours = call.unmeasurable is None and self._layer_heads(st, q)
-                if call.unmeasurable is not None:
+                q = k = v = None
+                ours = call.unmeasurable is None
+                if ours:
+                    q, k, v = traced.autocast_qkv(*call.views())
+                    ours = self._layer_heads(st, q)
+                else:
                     st.buf.unmeasured = call.unmeasurable
                     self.warn_once(st, "varlen", f"flashwatch: {st.site.name}: a varlen "
                                    f"call not measured: {call.unmeasurable}")
@@ -122,7 +131,12 @@ class FlexCapture:
         """(out, lse, empty max) of the op from flashwatch's kernel with the layer's
         modes, or None: the call runs its own kernel, counted as a fallback with the
         reason."""
-        reason, (kind, softcap) = None, score_kind(call.score_mod)
+        reason = None
+        try:
+            kind, softcap = score_kind(call.score_mod)
+        except Exception as e:  # an odd score_mod object: not one the kernel runs
+            self.ledger.error(f"routing {st.site.name}", e)
+            kind, softcap = "other", None
         if kind == "other":
             reason = ("its flex_attention score_mod is neither the identity nor a softcap "
                       "(ALiBi, a bias, control flow), which flashwatch's kernel does not apply")
@@ -136,22 +150,31 @@ class FlexCapture:
         if routed is None:
             return None
         out, lse = routed
-        if call.kernel_options.get("BACKEND", "AUTO") != "FLASH":
-            lse = lse / math.log(2)  # the op's units: flex_attention multiplies by ln 2
-        return out, lse, out.new_empty(0)
+        lse = lse.masked_fill(lse == math.inf, -math.inf)  # no key seen: flex's -inf
+        if call.kernel_options.get("BACKEND", "AUTO") != "FLASH" or \
+                _flex_debug():  # the op's units: flex_attention multiplies by ln 2
+            lse = lse / math.log(2)
+        # torch's flex backward takes the lse's gradient: ours has none, so one that
+        # arrives is counted and the layer stays on its own kernel from then on
+        return out, _LseGuard.apply(lse, out, self._lse_gradient(st)), out.new_empty(0)
 
     def _route_varlen(self, st, call: VarlenCall, q, k, v):
-        """(packed out, lse [H, T], rng state) as the op returns them, or None."""
-        routed = self._route_masked(st, q, k, v, call.scale, call.dense_mask,
-                                    call.unmeasurable)
+        """(packed out, lse [H, T], rng state) as the op returns them, or None. The lse
+        has no gradient, as torch's own varlen backward gives it none (+inf: no key)."""
+        reason = call.unmeasurable
+        if reason is None and call.q.shape[0] * call.k.shape[0] > VARLEN_DENSE_MAX:
+            reason = (f"its {call.q.shape[0]} packed tokens would need a dense [T, T] "
+                      f"mask for flashwatch's kernel (routed up to "
+                      f"{int(VARLEN_DENSE_MAX ** 0.5)} tokens)")
+        routed = self._route_masked(st, q, k, v, call.scale, call.dense_mask, reason)
         if routed is None:
             return None
         out, lse = routed
-        return (out[0].permute(1, 0, 2), lse[0],
+        return (out[0].permute(1, 0, 2), lse[0].detach(),
                 torch.zeros(2, dtype=torch.uint64, device=out.device))
 
     def _route_masked(self, st, q, k, v, scale, dense_mask, reason, softcap=None):
-        """(out [B, H, N, Dv], lse [B, H, N] guarded: `_LseGuard`) or None."""
+        """(out [B, H, N, Dv], lse [B, H, N], natural log, +inf: no key) or None."""
         if reason is None and st.lse_gradient:
             reason = ("a gradient reached the log-sum-exp of one of its routed calls "
                       "(attention sinks?), which flashwatch's kernel does not give one")
@@ -164,23 +187,38 @@ class FlexCapture:
                     out = self._routed(st, q, k, v, causal, scale, None,
                                        attn_mask=None if causal else mask, lse_out=lse,
                                        softcap=softcap)
-                    # a row that sees no key: the kernel's +inf, the ops' -inf
-                    lse = lse[0].masked_fill(lse[0] == math.inf, -math.inf)
-                    return out, _LseGuard.apply(lse, out, self._lse_gradient(st))
+                    st.flex_refused = None
+                    return out, lse[0]
                 except Exception as e:
                     from flashwatch.kernels.dispatch import NotInKernel
                     if not isinstance(e, NotInKernel):
                         raise
                     reason = f"its mask is one its backend cannot run ({e})"
+            st.flex_refused = reason
             self._fallback(st, reason)
             self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
                            f"{st.site.name} because {reason}; it stays on its own kernel "
                            f"and is still measured")
         except Exception as e:
             self.ledger.error(f"routing {st.site.name}", e)
-            st.unmitigable = f"routing failed ({type(e).__name__}: {e})"
+            st.unmitigable = st.flex_refused = f"routing failed ({type(e).__name__}: {e})"
             st.fallback_calls += 1
         return None
+
+    @staticmethod
+    def _watch_lse(st, lse) -> None:
+        """An unrouted call whose lse a gradient reaches (attention sinks) tells, before
+        any routing, that the layer must not be routed: no step's gradient is lost."""
+        if (st.lse_gradient or not torch.is_grad_enabled() or not isinstance(lse, torch.Tensor)
+                or not lse.requires_grad or not lse.numel()):
+            return
+        st_ref = weakref.ref(st)
+
+        def seen(grad):
+            s = st_ref()
+            if s is not None and grad is not None:
+                s.lse_gradient = True
+        lse.register_hook(seen)
 
     def _lse_gradient(self, st):
         """What `_LseGuard` calls when a gradient reaches a routed call's lse: count it,
@@ -238,8 +276,10 @@ def fused_flex(args, kwargs):
         raise RuntimeError(f"a block mask tuple of {len(t)} fields or lifted buffers: not "
                            f"the layout torch 2.13 hands a direct call")
     bm = BlockMask((t[0], t[1]), *t[2:10], BLOCK_SIZE=(t[14], t[15]), mask_mod=t[16],
-                   dq_write_order=t[10], dq_write_order_full=t[11], dq_kv_order=t[12])
+                   dq_write_order=t[10], dq_write_order_full=t[11], dq_kv_order=t[12],
+                   dq_kv_order_spt=t[13])
     options = dict(a["options"])
+    options.pop("FORCE_USE_FLEX_ATTENTION", None)  # legacy: BACKEND set above replaces it
     lse, mx = options.pop("OUTPUT_LOGSUMEXP", False), options.pop("OUTPUT_MAX", False)
     if not _COMPILED:
         _COMPILED.append(torch.compile(flex_attention, fullgraph=True))
@@ -254,6 +294,19 @@ def fused_flex(args, kwargs):
     empty = out.new_empty(0)
     return (out, units(aux.lse) if aux.lse is not None else empty,
             units(aux.max_scores) if aux.max_scores is not None else empty)
+
+
+# varlen routes its packed documents as one [T, T] boolean mask: up to 16,384 tokens
+# (256 MB); longer packs keep their own kernel, reported unmitigable with the reason
+VARLEN_DENSE_MAX = 1 << 28
+
+
+def _flex_debug() -> bool:
+    """torch's debug switch, under which flex_attention reads the op's lse as log2 even
+    with BACKEND "FLASH"."""
+    from torch.nn.attention import flex_attention as fa
+
+    return bool(getattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False))
 
 
 def _is_causal(mask) -> torch.Tensor:

@@ -131,6 +131,9 @@ class LayerState:
     silent_reported: bool = False  # "no attention call seen" was reported
     fused_failed: bool = False  # its flex call failed compiled on a measured step: it runs
     # the op eagerly there (flashwatch/monitor/flex_capture.py FlexCapture._run_flex)
+    flex_refused: str | None = None  # why its last flex or varlen call, with modes set,
+    # ran its own kernel (None: it ran flashwatch's): such a layer does not hold the
+    # process's compiled code eager on unmeasured steps (Watcher._stance)
     lse_gradient: bool = False  # a gradient reached the log-sum-exp of a routed flex or
     # varlen call (flashwatch/monitor/flex_capture.py): never routed again
     device_cache: dict = field(default_factory=dict)  # device -> DeviceConstants

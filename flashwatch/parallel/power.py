@@ -77,16 +77,20 @@ def spectral_norms(sites: list[AttentionSite], vs: list, iters: int, monitor=Non
     out: list = [None] * len(sites)
     groups: dict = {}
     for i, (site, v) in enumerate(zip(sites, vs, strict=True)):
+        # Which collectives this site takes is its layout, the same on every rank: read
+        # from metadata with torch functions off, so that no torch function mode (the
+        # fault sweep's, tests/fault_sweep.py) can make one rank read it otherwise
+        with torch._C.DisableTorchFunction():
+            tp, row_sharded = unnarrowed_tp(site), is_row_sharded(site)
         broken = monitor is not None and monitor.broken is not None  # maybe by a site above
-        if broken and (unnarrowed_tp(site) is not None or is_row_sharded(site)):
+        if broken and (tp is not None or row_sharded):
             out[i] = RuntimeError(f"no sharded norm: the monitor's group is unusable since "
                                   f"{monitor.broken}")  # no collective any more
             continue
-        tp = unnarrowed_tp(site)
         if tp is not None:
             out[i] = _unnarrowed(site, tp, iters, monitor, **kwargs)
             continue
-        if is_row_sharded(site):
+        if row_sharded:
             out[i] = symmetric_sharded_norm(site, v, iters, monitor, **kwargs)
             continue
         try:

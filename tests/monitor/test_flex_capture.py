@@ -156,13 +156,72 @@ def test_varlen_routed_output_and_lse_match_the_kernel():
     assert lse_r.shape == lse.shape == (H, 48) and (lse_r - lse).abs().max() < 1e-5
 
 
-def test_varlen_sinks_gradient_is_counted_and_stops_routing():
+def test_varlen_sinks_stay_routed():
+    """torch's own varlen backward gives the lse no gradient: reading it with one
+    (attention sinks) changes nothing when routed, so no error and routing goes on."""
     _, _, reports, routed = _run_varlen(nn.Sequential(Varlen(sinks=True)), modes=True,
                                         grad=True, steps=2)
-    assert routed == [1, 0]
-    assert reports[0].monitor_errors_total == 1
-    assert "log-sum-exp" in reports[1].unmitigable["0"]
-    assert all(math.isfinite(h.attention_max_logit) for h in reports[1].heads)
+    assert routed == [1, 1]
+    assert reports[-1].monitor_errors_total == 0 and reports[-1].unmitigable == {}
+    assert all(math.isfinite(h.attention_max_logit) for h in reports[-1].heads)
+
+
+def test_sinks_seen_before_routing_are_never_routed():
+    """An unrouted step whose backward reaches flex's lse marks the layer: modes set
+    after it are refused with the reason, and no gradient is ever dropped (the only
+    error is the hand-set modes that did not run)."""
+    model = nn.Sequential(Flex(sinks=True))
+    x = torch.randn(B, N, D, generator=torch.Generator().manual_seed(1))
+    with differentiable_flex(), fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w:
+        model(x).square().mean().backward()
+        assert w.step().monitor_errors_total == 0
+        w.set_head_modes("0", [fw.Mode.FP32_O] * H)
+        model(x).square().mean().backward()
+        assert w._states[0].routed_calls == 0
+        report = w.step()
+    assert "log-sum-exp" in report.unmitigable["0"] and report.monitor_errors_total == 1
+
+
+def test_a_block_mask_without_mask_mod_that_hides_blocks_is_not_measured():
+    """BlockMask.from_kv_blocks without a mask_mod: the kernel skips the missing key
+    blocks, which no mask_mod tells; the layer is left unmeasured with the reason (an
+    error), not measured over keys the kernel never read."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = 256  # two 128-key blocks; every query block reads only the first
+    kv_num = torch.ones(1, 1, 2, dtype=torch.int32)
+    kv_idx = torch.zeros(1, 1, 2, 2, dtype=torch.int32)
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx)
+
+    class Sparse(Flex):
+        def forward(self, x):
+            q, k, v = (p(x).view(1, n, H, -1).transpose(1, 2)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            return flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(1, n, D)
+
+    model = nn.Sequential(Sparse())
+    with fw.watch(model, config=fw.WatchConfig(every_n_steps=1)) as w, torch.no_grad():
+        model(torch.randn(1, n, D))
+        report = w.step()
+    assert report.monitor_errors_total == 1
+    assert all(math.isnan(h.attention_max_logit) for h in report.heads)
+
+
+def test_an_unroutable_flex_layer_does_not_hold_compiled_code_eager():
+    """Modes on an ALiBi flex layer (refused): unmeasured steps leave the process's
+    compiled code compiled (the stance is forced on measured steps only)."""
+    from flashwatch.monitor.attach import forcing_eager
+
+    alibi = nn.Sequential(Flex(score_mod=lambda s, b, h, q, k: s + 0.1 * (k - q)))
+    x = torch.randn(B, N, D, generator=torch.Generator().manual_seed(1))
+    forced = []
+    with fw.watch(alibi, config=fw.WatchConfig(every_n_steps=2)) as w, torch.no_grad():
+        w.set_head_modes("0", [fw.Mode.FP32_O] * H)
+        for _ in range(4):
+            alibi(x)
+            forced.append(forcing_eager())
+            w.step()
+    assert forced == [True, False, True, False]
 
 
 def test_measured_steps_run_a_compiled_flex_compiled(monkeypatch):
