@@ -62,6 +62,10 @@ class Inject(TorchFunctionMode):
         name = frame.f_code.co_filename if frame is not None else ""
         if func is F.scaled_dot_product_attention and frame.f_code.co_name == "on_sdpa":
             name = ""  # the model's own attention call, which the Recorder passes on
+        if frame is not None and frame.f_code.co_name in ("on_flex", "on_varlen",
+                                                          "_run_flex") \
+                and getattr(func, "__name__", "") in ("flex_attention", "_varlen_attn"):
+            name = ""  # the same for FlexAttention's and varlen's ops
         if name.startswith(FW_DIR) and name != MODEL_FILE:
             n, self.count = self.count, self.count + 1
             if n == self.at:

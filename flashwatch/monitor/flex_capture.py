@@ -59,7 +59,8 @@ class FlexCapture:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
         st.compiled.flex_seen = True
-        result = self._route_flex(st, call) if ours and st.routed else None
+        result = self._guarded_route(st, self._route_flex, call) if ours and st.routed \
+            else None
         routed = result is not None
         if result is None:
             result = self._run_flex(st, func, args, kwargs)
@@ -109,7 +110,8 @@ class FlexCapture:
             self.ledger.error(f"attention call {st.site.name}", e)
             return func(*args, **kwargs)
         st.compiled.flex_seen = True
-        result = self._route_varlen(st, call, q, k, v) if ours and st.routed else None
+        result = self._guarded_route(st, self._route_varlen, call, q, k, v) \
+            if ours and st.routed else None
         routed = result is not None
         if result is None:
             result = func(*args, **kwargs)
@@ -126,6 +128,17 @@ class FlexCapture:
                                  score_fn=call.score_fn(), grad_view=grad_view)
         except Exception as e:
             self.ledger.error(f"probe {st.site.name}", e)
+
+    def _guarded_route(self, st, route, *args):
+        """route(st, *args), or None after a failure of ours, counted: the call then runs
+        its own kernel (a fallback with the reason)."""
+        try:
+            return route(st, *args)
+        except Exception as e:
+            self.ledger.error(f"routing {st.site.name}", e)
+            st.unmitigable = st.flex_refused = f"routing failed ({type(e).__name__}: {e})"
+            st.fallback_calls += 1
+            return None
 
     def _route_flex(self, st, call: FlexCall):
         """(out, lse, empty max) of the op from flashwatch's kernel with the layer's

@@ -4,6 +4,7 @@ and what happens when a gradient reaches that log-sum-exp (attention sinks)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -250,3 +251,52 @@ def test_measured_steps_run_a_compiled_flex_compiled(monkeypatch):
     assert (y - plain).abs().max() < 1e-5
     assert report.monitor_errors_total == 0
     assert all(math.isfinite(h.attention_max_logit) for h in report.heads)
+
+
+def test_a_failure_at_any_torch_call_of_ours_leaves_the_model_as_it_was():
+    """A failure raised at each torch call flashwatch makes in a monitored step of a flex
+    layer and a varlen layer (forward probe, backward hooks, step(); head modes on, so
+    the routing code runs too), one at a time (tests/fault_sweep.py's Inject): nothing
+    reaches the training loop, the outputs are the model's (routed or not, within the
+    kernels' FP32 difference), and the error is counted. Found two paths that raised into
+    the model (the lse conversion after routing, the routing checks' tensor reads)."""
+    from fault_sweep import Inject
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flex, self.varlen = Flex(lse=False), Varlen()
+
+        def forward(self, x):  # x [1, 48, D] for varlen; [B, N, D] for flex from it
+            return self.flex(x[0, :B * N].view(B, N, D)), self.varlen(x)
+
+    torch.manual_seed(0)
+    model = Both()
+    x = torch.randn(1, 48, D)
+    cfg = fw.WatchConfig(every_n_steps=1, rows_per_head=8)
+    with differentiable_flex(), cpu_varlen():
+        plain = [y.detach() for y in model(x)]
+        w = fw.watch(model, config=cfg)
+        w.set_head_modes("flex", [fw.Mode.FP32_O] * H)
+
+        def step(inject=None):
+            with inject or contextlib.nullcontext():
+                ys = model(x)
+                sum(y.square().mean() for y in ys).backward()
+                report = w.step()
+            return [y.detach() for y in ys], report
+
+        try:
+            step()  # the first monitored step's one-time work
+            counter = Inject()
+            step(counter)
+            assert counter.count > 100
+            for n in range(counter.count):
+                before = w.monitor_errors_total
+                ys, report = step(Inject(n))
+                for y, p in zip(ys, plain, strict=True):
+                    assert (y - p).abs().max() < 1e-5, n
+                # counted (a failure inside step() may leave this step without a report)
+                assert w.monitor_errors_total > before, n
+        finally:
+            w.remove()
