@@ -220,15 +220,25 @@ class Recorder(ProbeRecorder, FlexCapture):
                     return self._routed(st, q, k, v, causal, scale, None, attn_mask=mask)
                 except _dispatch_mod.NotInKernel as e:  # a known limit (docs/limits.md)
                     reason = f"it passes attn_mask, which its backend cannot run ({e})"
-            self._fallback(st, reason)
-            self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
-                           f"{st.site.name} because {reason}; it stays on the original "
-                           f"kernel and is still measured")
+            self._unmitigable(st, reason)
         except Exception as e:
-            self.ledger.error(f"routing {st.site.name}", e)
-            st.unmitigable = f"routing failed ({type(e).__name__}: {e})"
-            st.fallback_calls += 1
+            self._routing_failed(st, e)
         return None
+
+    def _unmitigable(self, st: LayerState, reason: str) -> None:
+        """A call of a routed layer that flashwatch's kernel cannot run: it runs its own
+        kernel, counted as a fallback, said once."""
+        self._fallback(st, reason)
+        self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
+                       f"{st.site.name} because {reason}; it stays on its own kernel "
+                       f"and is still measured")
+
+    def _routing_failed(self, st: LayerState, e: Exception) -> str:
+        """A failure of ours while routing a call: counted, the call runs its own kernel."""
+        self.ledger.error(f"routing {st.site.name}", e)
+        st.unmitigable = f"routing failed ({type(e).__name__}: {e})"
+        st.fallback_calls += 1
+        return st.unmitigable
 
     def _check_q(self, st: LayerState, q) -> None:
         """The layer's W^Q slice against the q its SDPA call received, once

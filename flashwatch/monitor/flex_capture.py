@@ -33,6 +33,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from flashwatch.kernels.dispatch import NotInKernel
 from flashwatch.monitor import traced
 from flashwatch.monitor.attach import forcing_eager
 from flashwatch.monitor.checkpointing import outside_selective_checkpoint
@@ -135,9 +136,7 @@ class FlexCapture:
         try:
             return route(st, *args)
         except Exception as e:
-            self.ledger.error(f"routing {st.site.name}", e)
-            st.unmitigable = st.flex_refused = f"routing failed ({type(e).__name__}: {e})"
-            st.fallback_calls += 1
+            st.flex_refused = self._routing_failed(st, e)
             return None
 
     def _route_flex(self, st, call: FlexCall):
@@ -191,31 +190,20 @@ class FlexCapture:
         if reason is None and st.lse_gradient:
             reason = ("a gradient reached the log-sum-exp of one of its routed calls "
                       "(attention sinks?), which flashwatch's kernel does not give one")
-        try:
-            if reason is None:
-                mask = dense_mask()
-                causal = bool(_is_causal(mask))
-                try:
-                    lse = []
-                    out = self._routed(st, q, k, v, causal, scale, None,
-                                       attn_mask=None if causal else mask, lse_out=lse,
-                                       softcap=softcap)
-                    st.flex_refused = None
-                    return out, lse[0]
-                except Exception as e:
-                    from flashwatch.kernels.dispatch import NotInKernel
-                    if not isinstance(e, NotInKernel):
-                        raise
-                    reason = f"its mask is one its backend cannot run ({e})"
-            st.flex_refused = reason
-            self._fallback(st, reason)
-            self.warn_once(st, "unmitigable", f"flashwatch: cannot apply head modes to "
-                           f"{st.site.name} because {reason}; it stays on its own kernel "
-                           f"and is still measured")
-        except Exception as e:
-            self.ledger.error(f"routing {st.site.name}", e)
-            st.unmitigable = st.flex_refused = f"routing failed ({type(e).__name__}: {e})"
-            st.fallback_calls += 1
+        if reason is None:  # a failure of ours here: `_guarded_route` counts it
+            mask = dense_mask()
+            causal = bool(_is_causal(mask))
+            try:
+                lse = []
+                out = self._routed(st, q, k, v, causal, scale, None,
+                                   attn_mask=None if causal else mask, lse_out=lse,
+                                   softcap=softcap)
+                st.flex_refused = None
+                return out, lse[0]
+            except NotInKernel as e:  # a known limit of the backend (docs/limits.md)
+                reason = f"its mask is one its backend cannot run ({e})"
+        st.flex_refused = reason
+        self._unmitigable(st, reason)
         return None
 
     @staticmethod
